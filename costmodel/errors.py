@@ -1,0 +1,31 @@
+"""Typed exceptions for all of autopar.
+
+They live in the lowest package (costmodel) so that every layer can raise them; ``planner.errors``
+re-exports them. Each message names the offending value and the fix.
+"""
+
+from __future__ import annotations
+
+
+class AutoparError(Exception):
+    """Base of every error autopar raises on purpose (bad input, infeasible request)."""
+
+
+class ProfileError(AutoparError):
+    """A hardware / cluster / calibration profile is malformed or unknown."""
+
+
+class InfeasiblePlanError(AutoparError):
+    """No plan (or the requested configuration) fits the cluster; the message says what would."""
+
+
+class UnsupportedModelError(AutoparError):
+    """The model cannot be traced or contains ops autopar has no rule for."""
+
+
+class PlanMismatchError(AutoparError):
+    """A plan file does not belong to this model / world size, or is malformed."""
+
+
+class ConfigError(AutoparError):
+    """A parallel configuration is invalid (degrees do not divide, batch not divisible, ...)."""

@@ -1,0 +1,57 @@
+"""``autopar``: the command line. The only place in autopar that prints.
+
+Each subcommand lives in ``planner/commands/<name>.py``. Commands that execute on torch.distributed
+(``calibrate``, ``validate``) import ``runtime`` inside their ``run``: the CLI is the edge that composes the
+packages; library code in ``planner`` never imports ``runtime``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from costmodel.errors import AutoparError
+
+# Order is the order ``autopar --help`` lists them.
+COMMANDS = (
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="autopar",
+        description="Automatic parallelization planner for PyTorch training.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress at INFO level")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        mod = importlib.import_module(f"planner.commands.{name}")
+        p = sub.add_parser(mod.NAME, help=mod.HELP, description=mod.HELP)
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except AutoparError as e:
+        print(f"autopar {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"autopar {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
