@@ -1,0 +1,1 @@
+"""Hardware, cluster and calibration profiles: data files, each number with its source."""
