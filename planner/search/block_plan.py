@@ -1,0 +1,291 @@
+"""``block_strategy``: the intra-op sharding of one distinct block on one submesh shape, memoized.
+
+``block_problem`` turns a block's coarsened ops (``strategies.LayerOp``) into a pure ``ShardingProblem``:
+per-op candidate times (compute from ``costmodel.compute``, the collectives a strategy issues from
+``costmodel.comm`` on the tp / cp / ep group), memory per device, and the resharding matrices of every edge
+(``strategies.conversion`` forward plus its backward dual). A block's input is the previous identical block's
+output, so one periodic edge ties the block's output layout to its input layout. ``block_strategy`` solves it
+with ``intra_op.solve`` once per key in an explicit ``StrategyCache``: a 126-layer model solves its one
+distinct block once.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from costmodel.errors import ConfigError
+from planner.plan import ModuleSharding
+from planner.search import intra_op
+from planner.search.strategies import Collective, LayerOp, MeshShape, OpStrategy, candidates, conversion, dual
+
+log = logging.getLogger(__name__)
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CostContext:
+    """How to time work and collectives: two callables, so the builder stays pure and testable."""
+
+    op_time_s: Callable[[LayerOp, float, float], float]
+    """(op, flops, bytes_moved) -> seconds on one device."""
+    collective_time_s: Callable[[Collective], float]
+    """A collective on its mesh axis -> seconds."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Costed:
+    strategy: OpStrategy
+    fwd_s: float
+    bwd_s: float
+    comm_fwd_s: float
+    comm_bwd_s: float
+    memory_bytes: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BlockProblem:
+    """A ``ShardingProblem`` plus what is needed to read its solution back."""
+
+    problem: intra_op.ShardingProblem
+    ops: tuple[LayerOp, ...]
+    costed: tuple[tuple[_Costed, ...], ...]
+    edges: tuple[tuple[int, int, int], ...]
+    """(producer, consumer, consumer input index) per ``problem.edges`` entry."""
+
+
+def _collectives_time_s(ctx: CostContext, cs: Sequence[Collective]) -> float:
+    return sum(ctx.collective_time_s(c) for c in cs)
+
+
+def _cost_strategy(op: LayerOp, s: OpStrategy, *, ctx: CostContext, mesh: MeshShape, recompute: str,
+                   state_bytes_per_param: float) -> _Costed:
+    frac = s.work_fraction / mesh.cp
+    fwd = ctx.op_time_s(op, op.flops_fwd * frac, op.bytes_fwd * frac) if (op.flops_fwd or op.bytes_fwd) else 0.0
+    bwd = ctx.op_time_s(op, op.flops_bwd * frac, 2.0 * op.bytes_fwd * frac) if (op.flops_bwd or op.bytes_fwd) else 0.0
+    recomputed = recompute == "full" or (recompute == "selective" and op.kind == "attention")
+    comm_fwd = _collectives_time_s(ctx, s.comm_fwd)
+    if recomputed:
+        bwd += fwd
+        comm_fwd_again = comm_fwd
+    else:
+        comm_fwd_again = 0.0
+    saved = 0.0 if recomputed and op.kind != "input" else op.saved_bytes * s.act_fraction / mesh.cp
+    memory = op.params * s.param_fraction * state_bytes_per_param + saved
+    return _Costed(strategy=s, fwd_s=fwd, bwd_s=bwd, comm_fwd_s=comm_fwd,
+                   comm_bwd_s=_collectives_time_s(ctx, s.comm_bwd) + comm_fwd_again, memory_bytes=memory)
+
+
+def edge_collectives(src: OpStrategy, dst: OpStrategy, index: int, nbytes: float) -> tuple[
+        tuple[Collective, ...], tuple[Collective, ...]]:
+    """Forward conversion of the producer's output into the consumer's input ``index``, and the backward
+    conversion of the consumer's input gradient into the gradient layout the producer needs."""
+    fwd = conversion(src.out_layout, dst.in_layouts[index], nbytes)
+    bwd = conversion(dst.grad_layouts[index], dual(src.out_layout), nbytes)
+    return fwd, bwd
+
+
+def _edge_time_s(ctx: CostContext, fwd: Sequence[Collective], bwd: Sequence[Collective], recompute: str) -> float:
+    """A forward conversion runs again when full recomputation replays the block's forward."""
+    again = 2.0 if recompute == "full" else 1.0
+    return again * _collectives_time_s(ctx, fwd) + _collectives_time_s(ctx, bwd)
+
+
+def _boundary_collectives(src: OpStrategy, dst: OpStrategy, nbytes: float):
+    return conversion(src.out_layout, dst.out_layout, nbytes), conversion(dst.out_layout, src.out_layout, nbytes)
+
+
+def block_problem(ops: Sequence[LayerOp], *, mesh: MeshShape, ctx: CostContext, recompute: str = "none",
+                  state_bytes_per_param: float = 16.0, mem_budget_bytes: float = math.inf) -> BlockProblem:
+    """Build the pure sharding problem of a block's ops (see the module docstring)."""
+    if recompute not in RECOMPUTE_MODES:
+        raise ConfigError(f"recompute={recompute!r}; choose one of {RECOMPUTE_MODES}")
+    index = {op.name: i for i, op in enumerate(ops)}
+    costed = tuple(
+        tuple(_cost_strategy(op, s, ctx=ctx, mesh=mesh, recompute=recompute,
+                             state_bytes_per_param=state_bytes_per_param) for s in candidates(op, mesh))
+        for op in ops
+    )
+    edges, triples = [], []
+    for j, op in enumerate(ops):
+        for slot, src_name in enumerate(op.inputs):
+            if src_name not in index:
+                raise ConfigError(f"op {op.name!r} reads {src_name!r}, which is not an op of the block")
+            i = index[src_name]
+            nbytes = ops[i].out_bytes / mesh.cp
+            matrix = tuple(
+                tuple(_edge_time_s(ctx, *edge_collectives(a.strategy, b.strategy, slot, nbytes), recompute)
+                      for b in costed[j])
+                for a in costed[i]
+            )
+            edges.append(intra_op.ShardingEdge(src=i, dst=j, cost_s=matrix))
+            triples.append((i, j, slot))
+    _add_periodic_edge(ops, costed, edges, triples, ctx=ctx, mesh=mesh, recompute=recompute)
+    problem = intra_op.ShardingProblem(
+        op_names=tuple(op.name for op in ops),
+        strategy_names=tuple(tuple(c.strategy.name for c in row) for row in costed),
+        compute_s=tuple(tuple(c.fwd_s + c.bwd_s for c in row) for row in costed),
+        comm_s=tuple(tuple(c.comm_fwd_s + c.comm_bwd_s for c in row) for row in costed),
+        memory_bytes=tuple(tuple(c.memory_bytes for c in row) for row in costed),
+        edges=tuple(edges),
+        memory_budget_bytes=mem_budget_bytes,
+    )
+    return BlockProblem(problem=problem, ops=tuple(ops), costed=costed, edges=tuple(triples))
+
+
+def _add_periodic_edge(ops, costed, edges, triples, *, ctx: CostContext, mesh: MeshShape, recompute: str) -> None:
+    """The next identical block reads this block's output as its input: output layout -> input layout."""
+    ins = [i for i, op in enumerate(ops) if op.kind == "input"]
+    outs = [i for i, op in enumerate(ops) if op.kind == "output"]
+    if len(ins) != 1 or len(outs) != 1:
+        return
+    i, j = outs[0], ins[0]
+    nbytes = ops[i].out_bytes / mesh.cp
+    matrix = tuple(
+        tuple(_edge_time_s(ctx, *_boundary_collectives(a.strategy, b.strategy, nbytes), recompute) for b in costed[j])
+        for a in costed[i]
+    )
+    edges.append(intra_op.ShardingEdge(src=i, dst=j, cost_s=matrix))
+    triples.append((i, j, -1))
+
+
+# --- reading a solution back ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BlockStrategy:
+    """The chosen sharding of one block and its predicted cost for one micro-batch on one tp group."""
+
+    shardings: tuple[ModuleSharding, ...]
+    """Style per parameter-owning module, keyed by module FQN relative to the block."""
+    op_strategies: tuple[tuple[str, str], ...]
+    """(op name, strategy name) for every coarsened op (also the parameter-free ones)."""
+    time_fwd_s: float
+    time_bwd_s: float
+    """Backward time, including recomputation."""
+    comm_fwd_s: float
+    comm_bwd_s: float
+    """Parts of ``time_fwd_s`` / ``time_bwd_s`` spent in collectives (not overlapped)."""
+    comm_bytes_by_kind: dict[str, float] = field(default_factory=dict)
+    """Full buffer bytes per collective, forward + backward, keyed ``<axis>_<kind>`` (``tp_all_reduce``)."""
+    memory_bytes: float = 0.0
+    """Per device: model states of the block's parameter shards plus stored activations."""
+    solver: dict[str, Any] = field(default_factory=dict)
+    """status, objective_s, bound_s, gap, solve_time_s, num_variables, num_constraints, cached."""
+
+    def style_of(self, fqn: str) -> str:
+        for m in self.shardings:
+            if m.fqn == fqn:
+                return m.style
+        raise KeyError(fqn)
+
+
+def read_solution(bp: BlockProblem, sol: intra_op.ShardingSolution, *, ctx: CostContext, mesh: MeshShape,
+                  recompute: str) -> BlockStrategy:
+    chosen = [bp.costed[i][k] for i, k in enumerate(sol.choice)]
+    fwd = sum(c.fwd_s + c.comm_fwd_s for c in chosen)
+    bwd = sum(c.bwd_s + c.comm_bwd_s for c in chosen)
+    comm_f = sum(c.comm_fwd_s for c in chosen)
+    comm_b = sum(c.comm_bwd_s for c in chosen)
+    by_kind: dict[str, float] = {}
+
+    def count(cs: Sequence[Collective], times: int = 1) -> float:
+        for c in cs:
+            key = f"{c.axis}_{c.kind}"
+            by_kind[key] = by_kind.get(key, 0.0) + c.nbytes * times
+        return _collectives_time_s(ctx, cs) * times
+
+    for c in chosen:
+        count(c.strategy.comm_fwd)
+        count(c.strategy.comm_bwd)
+    for i, j, slot in bp.edges:
+        a, b = chosen[i].strategy, chosen[j].strategy
+        nbytes = bp.ops[i].out_bytes / mesh.cp
+        # slot -1: the periodic edge, this block's output converted into the next block's input layout
+        f, bw = _boundary_collectives(a, b, nbytes) if slot < 0 else edge_collectives(a, b, slot, nbytes)
+        again = 2 if recompute == "full" else 1
+        t_f, t_b = count(f, again), count(bw)
+        fwd, bwd = fwd + t_f / again, bwd + t_b + t_f * (again - 1) / again
+        comm_f, comm_b = comm_f + t_f / again, comm_b + t_b + t_f * (again - 1) / again
+    shardings = sorted(
+        {ModuleSharding(fqn=m, style=c.strategy.style) for op, c in zip(bp.ops, chosen) for m in op.modules},
+        key=lambda m: m.fqn,
+    )
+    return BlockStrategy(
+        shardings=tuple(shardings),
+        op_strategies=tuple((op.name, c.strategy.name) for op, c in zip(bp.ops, chosen)),
+        time_fwd_s=fwd, time_bwd_s=bwd, comm_fwd_s=comm_f, comm_bwd_s=comm_b,
+        comm_bytes_by_kind=by_kind,
+        memory_bytes=sol.memory_bytes,
+        solver={"status": sol.status, "objective_s": sol.objective, "bound_s": sol.bound, "gap": sol.gap,
+                "solve_time_s": sol.solve_time_s, "num_variables": sol.num_variables,
+                "num_constraints": sol.num_constraints},
+    )
+
+
+# --- costs on a cluster -------------------------------------------------------------------------------------
+
+
+def mesh_groups(mesh: MeshShape) -> dict[str, tuple[int, int]]:
+    """(size, stride) of each axis inside one stage: tp innermost, then cp, then ep (``planner.plan`` order)."""
+    return {"tp": (mesh.tp, 1), "cp": (mesh.cp, mesh.tp), "ep": (mesh.ep, mesh.tp * mesh.cp)}
+
+
+def cluster_cost_context(cluster, *, mesh: MeshShape, device=None, dtype: str = "bf16",
+                         first_rank: int = 0) -> CostContext:
+    """Time ops with ``costmodel.compute.op_time_s`` and collectives with ``costmodel.comm`` on ``cluster``."""
+    from costmodel import comm, compute
+
+    gpu = device if device is not None else cluster.node_type_of_rank(first_rank).gpu
+    calibration = getattr(cluster, "calibration", None)
+    groups = {axis: comm.Group(size=size, stride=stride) for axis, (size, stride) in mesh_groups(mesh).items()}
+
+    def op_time(op: LayerOp, flops: float, nbytes: float) -> float:
+        return compute.op_time_s(flops=flops, bytes_moved=nbytes, op_class=op.op_class, device=gpu, dtype=dtype,
+                                 calibration=calibration)
+
+    def coll_time(c: Collective) -> float:
+        group = groups[c.axis]
+        if group.size == 1 or c.nbytes <= 0:
+            return 0.0
+        return comm.collective_time_s(c.kind, c.nbytes, group, cluster, first_rank=first_rank).time_s
+
+    return CostContext(op_time_s=op_time, collective_time_s=coll_time)
+
+
+# --- memoized entry -----------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True, slots=True)
+class StrategyCache:
+    """Memo of solved blocks, keyed by everything a solution depends on; pass one per planning run."""
+
+    entries: dict[tuple, BlockStrategy] = field(default_factory=dict)
+    hits: int = 0
+    misses: int = 0
+
+    def get(self, key: tuple) -> BlockStrategy | None:
+        found = self.entries.get(key)
+        if found is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+        return found
+
+    def put(self, key: tuple, value: BlockStrategy) -> None:
+        self.entries[key] = value
+
+
+def solve_block(ops: Sequence[LayerOp], *, mesh: MeshShape, ctx: CostContext, recompute: str = "none",
+                state_bytes_per_param: float = 16.0, mem_budget_bytes: float = math.inf,
+                options: intra_op.SolverOptions | None = None) -> BlockStrategy:
+    """Build, solve and read back the sharding problem of ``ops`` (no memo: see ``block_strategy``)."""
+    bp = block_problem(ops, mesh=mesh, ctx=ctx, recompute=recompute, state_bytes_per_param=state_bytes_per_param,
+                       mem_budget_bytes=mem_budget_bytes)
+    sol = intra_op.solve(bp.problem, options or intra_op.SolverOptions())
+    log.debug("block of %d ops on %s: %s objective %.3g s in %.3f s", len(ops), mesh, sol.status, sol.objective,
+              sol.solve_time_s)
+    return read_solution(bp, sol, ctx=ctx, mesh=mesh, recompute=recompute)

@@ -1,0 +1,271 @@
+"""Per-op sharding candidates on the tensor-parallel axis, and resharding costs between their layouts.
+
+The ops here are the coarsened ops of one block (``LayerOp``: a group of linears that read the same input, the
+attention core, a norm, a pointwise op, a residual add, ...), built from a traced ``planner.graph.Block`` by
+``planner.search.block_plan``. Each candidate (``OpStrategy``) says which layout it needs on each input, which
+layout its input gradients come back in, which layout it produces, and what it costs. Activation layouts on
+the tp axis are DTensor placements:
+
+    ``R``      Replicate()                  ``S_seq``  Shard(1): tokens split (sequence parallel)
+    ``S_hid``  Shard(-1): features / heads   ``P``      Partial(): a sum still to be reduced
+
+Candidates, and what torch.distributed executes for each (the ``style`` is a ``planner.plan.SHARDING_STYLES``
+entry applied to the op's modules):
+
+    linear     replicate  R -> R                       weights replicated
+               colwise    R -> S_hid (grad back: P)    ColwiseParallel, weight Shard(0) (Megatron column)
+               rowwise    S_hid -> P                   RowwiseParallel, weight Shard(1) (Megatron row)
+    attention  replicate  R -> R
+               heads      S_hid -> S_hid               heads split; needs tp | heads AND tp | kv_heads (GQA):
+                                                       when tp does not divide kv_heads, attention is
+                                                       replicated -- HF attention computes repeat_kv from the
+                                                       config's head counts, so a q shard cannot be paired with
+                                                       replicated K/V by the runtime.
+    norm       replicate  R -> R
+               sequence_parallel  S_seq -> S_seq        SequenceParallel (weight grads all-reduced over tp)
+    pointwise / add: R, S_hid (pointwise only) or S_seq: work follows the layout, no module style
+    embedding  replicate, vocab_embedding (output P)   RowwiseParallel on nn.Embedding (vocab parallel)
+    head       replicate, vocab_head (R -> S_hid)      ColwiseParallel(use_local_output=False) on lm_head
+    loss       full (R), vocab_parallel (S_hid)        loss_parallel(): all-reduces of max, sum-exp, target
+    experts    replicate (ep = 1), expert (ep > 1)     experts sharded over the ep axis, all-to-all dispatch
+                                                       and combine, forward and backward
+
+Resharding on an edge (``conversion``): S_seq/S_hid -> R all-gather, P -> R all-reduce, P -> S_seq or
+P -> S_hid reduce-scatter, S_seq <-> S_hid all-to-all, R -> S_* a local slice (free). The backward pass
+converts the consumer's input gradient back to the producer's output layout with the same table (the
+gradient of a P output is R), so Megatron's ``f``/``g`` operators appear as edge costs: colwise after a
+replicated norm costs one backward all-reduce, with sequence parallelism an all-gather forward and a
+reduce-scatter backward.
+
+Batch sharding is not offered on the tp axis: splitting the batch is the data-parallel axis (dp x ep ranks),
+chosen by the stage search, and no SHARDING_STYLES entry / torch TP style switches a module between batch
+and feature sharding inside a block. Context parallelism (``cp > 1``) splits every op's tokens over the cp
+axis; attention gathers K/V over the cp group forward and reduce-scatters dK/dV backward (ring attention).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable, Literal
+
+Layout = Literal["R", "S_seq", "S_hid", "P"]
+OpKind = Literal[
+    "input", "output", "linear", "attention", "norm", "pointwise", "add", "embedding", "head", "loss",
+    "experts", "router",
+]
+CollectiveKind = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
+Axis = Literal["tp", "cp", "ep"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayerOp:
+    """One coarsened op of a block, with its work for one micro-batch (all numbers unsharded)."""
+
+    name: str
+    kind: OpKind
+    inputs: tuple[str, ...] = ()
+    """Names of the ``LayerOp`` s producing this op's inputs, in input order."""
+    modules: tuple[str, ...] = ()
+    """Parameter-owning module FQNs (relative to the block) that take this op's ``style``."""
+    flops_fwd: float = 0.0
+    flops_bwd: float = 0.0
+    bytes_fwd: float = 0.0
+    """Bytes read + written in the forward pass (memory-bound ops)."""
+    out_bytes: float = 0.0
+    """Size of the output activation (what a layout conversion of the output moves)."""
+    saved_bytes: float = 0.0
+    """Activation bytes kept for the backward pass."""
+    params: int = 0
+    shard_dims: tuple[int, ...] = ()
+    """Sizes a tp split must divide: linears (out features per member, in features), attention (heads,
+    kv_heads), embedding / head (vocab)."""
+    op_class: str = "other"
+    """``planner.graph`` op class (matmul, attention, norm, ...) for the compute cost model."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Collective:
+    kind: CollectiveKind
+    nbytes: float
+    axis: Axis = "tp"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OpStrategy:
+    name: str
+    style: str
+    """``planner.plan.SHARDING_STYLES`` entry for the op's modules."""
+    in_layouts: tuple[Layout, ...]
+    grad_layouts: tuple[Layout, ...]
+    """Layout of the gradient this op returns for each input."""
+    out_layout: Layout
+    work_fraction: float
+    """Share of the op's FLOPs and bytes one tp rank does."""
+    param_fraction: float
+    act_fraction: float
+    comm_fwd: tuple[Collective, ...] = ()
+    comm_bwd: tuple[Collective, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MeshShape:
+    tp: int = 1
+    cp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = False
+
+
+def dual(layout: Layout) -> Layout:
+    """Layout of the gradient of a tensor with this layout (the gradient of a Partial sum is replicated)."""
+    return "R" if layout == "P" else layout
+
+
+def conversion(src: Layout, dst: Layout, nbytes: float) -> tuple[Collective, ...]:
+    """Collectives converting a tensor of ``nbytes`` (full size) from ``src`` to ``dst`` over tp."""
+    if src == dst or src == "R":
+        return ()  # same layout, or a local slice of a replicated tensor
+    if dst == "P":
+        raise ValueError(f"no conversion produces a Partial tensor from {src}")
+    if src == "P":
+        kind: CollectiveKind = "all_reduce" if dst == "R" else "reduce_scatter"
+    elif dst == "R":
+        kind = "all_gather"
+    else:
+        kind = "all_to_all"  # S_seq <-> S_hid
+    return (Collective(kind=kind, nbytes=nbytes),)
+
+
+def _divides(tp: int, sizes: tuple[int, ...]) -> bool:
+    return bool(sizes) and all(d % tp == 0 for d in sizes)
+
+
+def _same(name: str, style: str, layout: Layout, n_in: int, frac: float, **kw) -> OpStrategy:
+    return OpStrategy(
+        name=name, style=style, in_layouts=(layout,) * n_in, grad_layouts=(layout,) * n_in, out_layout=layout,
+        work_fraction=frac, param_fraction=kw.pop("param_fraction", 1.0), act_fraction=frac, **kw,
+    )
+
+
+def _linear(op: LayerOp, mesh: MeshShape) -> list[OpStrategy]:
+    t = mesh.tp
+    out = [_same("replicate", "replicate", "R", 1, 1.0)]
+    if t == 1:
+        return out
+    *outs, fan_in = op.shard_dims or (0, 0)
+    if _divides(t, tuple(outs)):
+        out.append(OpStrategy(name="colwise", style="colwise", in_layouts=("R",), grad_layouts=("P",),
+                              out_layout="S_hid", work_fraction=1 / t, param_fraction=1 / t, act_fraction=1 / t))
+    if fan_in % t == 0 and fan_in > 0 and len(op.modules) == 1:
+        out.append(OpStrategy(name="rowwise", style="rowwise", in_layouts=("S_hid",), grad_layouts=("S_hid",),
+                              out_layout="P", work_fraction=1 / t, param_fraction=1 / t, act_fraction=1.0))
+    return out
+
+
+def _attention(op: LayerOp, mesh: MeshShape) -> list[OpStrategy]:
+    t, n = mesh.tp, len(op.inputs)
+    cp_fwd, cp_bwd = _cp_collectives(op, mesh)
+    out = [_same("replicate", "replicate", "R", n, 1.0, comm_fwd=cp_fwd, comm_bwd=cp_bwd)]
+    if t > 1 and _divides(t, op.shard_dims):  # shard_dims = (heads, kv_heads)
+        heads = _same("heads", "colwise", "S_hid", n, 1 / t, comm_fwd=cp_fwd, comm_bwd=cp_bwd)
+        out.append(_scale_comm(heads, 1 / t))  # each tp rank rings only its own heads' K/V
+    return out
+
+
+def _cp_collectives(op: LayerOp, mesh: MeshShape) -> tuple[tuple[Collective, ...], tuple[Collective, ...]]:
+    """Ring attention over cp: K and V (2 of the 3 inputs' bytes) gathered forward, dK/dV reduce-scattered."""
+    if mesh.cp == 1:
+        return (), ()
+    kv_bytes = 2.0 * op.out_bytes * (op.shard_dims[1] / op.shard_dims[0] if op.shard_dims else 1.0)
+    return (Collective(kind="all_gather", nbytes=kv_bytes, axis="cp"),), (
+        Collective(kind="all_gather", nbytes=kv_bytes, axis="cp"),
+        Collective(kind="reduce_scatter", nbytes=kv_bytes, axis="cp"),
+    )
+
+
+def _scale_comm(s: OpStrategy, frac: float) -> OpStrategy:
+    scale = lambda cs: tuple(replace(c, nbytes=c.nbytes * frac) for c in cs)  # noqa: E731
+    return replace(s, comm_fwd=scale(s.comm_fwd), comm_bwd=scale(s.comm_bwd))
+
+
+def _norm(op: LayerOp, mesh: MeshShape) -> list[OpStrategy]:
+    out = [_same("replicate", "replicate", "R", len(op.inputs), 1.0)]
+    if mesh.tp > 1 and mesh.sequence_parallel:
+        wgrad = (Collective(kind="all_reduce", nbytes=2.0 * op.params),) if op.params else ()
+        out.append(_same("sequence_parallel", "sequence_parallel", "S_seq", len(op.inputs), 1 / mesh.tp,
+                         comm_bwd=wgrad))
+    return out
+
+
+def _pointwise(op: LayerOp, mesh: MeshShape) -> list[OpStrategy]:
+    n = len(op.inputs)
+    out = [_same("R", "replicate", "R", n, 1.0)]
+    if mesh.tp > 1:
+        if op.kind != "add":
+            out.append(_same("S_hid", "replicate", "S_hid", n, 1 / mesh.tp))
+        if mesh.sequence_parallel:
+            out.append(_same("S_seq", "sequence_parallel", "S_seq", n, 1 / mesh.tp))
+    return out
+
+
+def _boundary(op: LayerOp, mesh: MeshShape) -> list[OpStrategy]:
+    out = [_same("R", "replicate", "R", len(op.inputs), 1.0)]
+    if mesh.tp > 1 and mesh.sequence_parallel:
+        out.append(_same("S_seq", "sequence_parallel", "S_seq", len(op.inputs), 1 / mesh.tp))
+    return out
+
+
+def _embedding(op: LayerOp, mesh: MeshShape) -> list[OpStrategy]:
+    out = [_same("replicate", "replicate", "R", len(op.inputs), 1.0)]
+    if mesh.tp > 1 and _divides(mesh.tp, op.shard_dims):
+        out.append(OpStrategy(name="vocab_embedding", style="vocab_embedding", in_layouts=("R",) * len(op.inputs),
+                              grad_layouts=("R",) * len(op.inputs), out_layout="P", work_fraction=1 / mesh.tp,
+                              param_fraction=1 / mesh.tp, act_fraction=1.0))
+    return out
+
+
+def _head(op: LayerOp, mesh: MeshShape) -> list[OpStrategy]:
+    out = [_same("replicate", "replicate", "R", 1, 1.0)]
+    if mesh.tp > 1 and _divides(mesh.tp, op.shard_dims):
+        out.append(OpStrategy(name="vocab_head", style="vocab_head", in_layouts=("R",), grad_layouts=("P",),
+                              out_layout="S_hid", work_fraction=1 / mesh.tp, param_fraction=1 / mesh.tp,
+                              act_fraction=1 / mesh.tp))
+    return out
+
+
+def _loss(op: LayerOp, mesh: MeshShape) -> list[OpStrategy]:
+    out = [_same("full", "replicate", "R", len(op.inputs), 1.0)]
+    if mesh.tp > 1:
+        # Megatron parallel cross-entropy: all-reduce of the max, the sum of exponentials and the target logit,
+        # one fp32 number per token each (op.out_bytes holds tokens * 4 bytes).
+        stats = tuple(Collective(kind="all_reduce", nbytes=op.out_bytes) for _ in range(3))
+        out.append(_same("vocab_parallel", "vocab_head", "S_hid", len(op.inputs), 1 / mesh.tp, comm_fwd=stats))
+    return out
+
+
+def _experts(op: LayerOp, mesh: MeshShape) -> list[OpStrategy]:
+    if mesh.ep == 1:
+        return [_same("replicate", "replicate", "R", len(op.inputs), 1.0)]
+    # Dispatch and combine all-to-alls over ep, forward and backward (op.out_bytes = tokens * topk * h * bytes).
+    a2a = tuple(Collective(kind="all_to_all", nbytes=op.out_bytes, axis="ep") for _ in range(2))
+    layouts = ["R"] + (["S_seq"] if mesh.tp > 1 and mesh.sequence_parallel else [])
+    return [
+        _same("expert" if lay == "R" else "expert_sp", "expert", lay, len(op.inputs), 1.0 if lay == "R" else 1 / mesh.tp,
+              param_fraction=1 / mesh.ep, comm_fwd=a2a, comm_bwd=a2a)
+        for lay in layouts
+    ]
+
+
+_RULES: dict[str, Callable[[LayerOp, MeshShape], list[OpStrategy]]] = {
+    "input": _boundary, "output": _boundary, "linear": _linear, "router": lambda op, m: _same_list(op),
+    "attention": _attention, "norm": _norm, "pointwise": _pointwise, "add": _pointwise,
+    "embedding": _embedding, "head": _head, "loss": _loss, "experts": _experts,
+}
+
+
+def _same_list(op: LayerOp) -> list[OpStrategy]:
+    return [_same("replicate", "replicate", "R", len(op.inputs), 1.0)]
+
+
+def candidates(op: LayerOp, mesh: MeshShape) -> tuple[OpStrategy, ...]:
+    """The strategies op ``op`` may take on a mesh of this shape (never empty: replicate always fits)."""
+    return tuple(_RULES[op.kind](op, mesh))
