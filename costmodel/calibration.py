@@ -1,0 +1,412 @@
+"""Calibration profiles: what ``autopar calibrate`` measured on a machine, and curves fitted to it.
+
+A ``Calibration`` holds raw measurements (matmul times over shapes, a memory-bound op's rate, collective
+times over sizes and rank counts) plus fits that the cost model uses in place of datasheet defaults:
+
+- ``MatmulFit`` per dtype: achieved TFLOP/s = ``peak_tflops * d/(d + dim_half) * F/(F + flops_half)`` with
+  ``d = min(m, n, k)`` and ``F = 2 m n k`` (the same curve ``costmodel.compute`` uses with default constants).
+- ``CollectiveFit`` per op: the alpha-beta ring model ``t = steps(n) * latency_s + factor(n) * S / bus_bw``
+  (``costmodel.comm.ring_terms``) fitted by least squares on relative error over every (ranks, bytes) point.
+
+Files are JSON (``.json``) or TOML (``.toml``); both load with validation (``ProfileError`` naming the file
+and key). The measuring side lives in ``runtime/calibrate.py``; this module is pure.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from costmodel.errors import ProfileError
+
+SCHEMA_VERSION = 1
+COLLECTIVE_OPS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
+BACKENDS: tuple[str, ...] = ("gloo", "nccl", "mpi", "fake")
+CAL_DTYPES: tuple[str, ...] = ("bf16", "fp16", "tf32", "fp32")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MatmulPoint:
+    """One timed ``(m, k) @ (k, n)`` matmul."""
+
+    m: int
+    n: int
+    k: int
+    dtype: str
+    time_s: float
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.m * self.n * self.k
+
+    @property
+    def tflops(self) -> float:
+        return self.flops / self.time_s / 1e12
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemboundPoint:
+    """One timed memory-bound op (``out = a + b``): bytes read + written and the time."""
+
+    nbytes: float
+    time_s: float
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.time_s / 1e9
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CollectivePoint:
+    """One timed collective: ``nbytes`` is the full (gathered / unsharded) buffer, NCCL convention."""
+
+    op: str
+    ranks: int
+    nbytes: float
+    time_s: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MatmulFit:
+    dtype: str
+    peak_tflops: float
+    dim_half: float
+    """Smallest matmul dimension at which efficiency halves (tile quantisation, skinny shapes)."""
+    flops_half: float
+    """Total FLOPs at which efficiency halves (launch overhead, too few tiles to fill the device)."""
+
+    def tflops(self, m: int, n: int, k: int) -> float:
+        d = float(min(m, n, k))
+        flops = 2.0 * m * n * k
+        return self.peak_tflops * d / (d + self.dim_half) * flops / (flops + self.flops_half)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CollectiveFit:
+    op: str
+    latency_s: float
+    """Alpha: seconds per ring step."""
+    bus_gbps: float
+    """Bus bandwidth, GB/s (nccl-tests convention: plugs into the ring formula as ``bw``)."""
+    max_ranks: int
+    """Largest rank count measured (the fit is used for groups up to any size, but say what it saw)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Calibration:
+    """Measurements of one machine and the fits derived from them."""
+
+    device_name: str
+    """What was measured, as the hardware names itself (``AMD EPYC (2 cores)``, ``NVIDIA H200``)."""
+    accelerator: str
+    """The profile name these numbers calibrate (``cpu-local``, ``H200-SXM-141GB``)."""
+    date: str
+    """ISO 8601 UTC time of the measurement."""
+    backend: str
+    """Collective backend measured: ``gloo`` or ``nccl``."""
+    memory_gb: float
+    matmul: tuple[MatmulPoint, ...]
+    membound: tuple[MemboundPoint, ...]
+    membound_gbps: float
+    """Achieved memory-bound rate (bytes read + written per second / 1e9) at large sizes."""
+    collectives: tuple[CollectivePoint, ...]
+    matmul_fits: tuple[MatmulFit, ...]
+    collective_fits: tuple[CollectiveFit, ...]
+    threads_per_rank: int = 1
+    torch_version: str = ""
+    notes: str = ""
+    schema_version: int = SCHEMA_VERSION
+
+    def matmul_fit(self, dtype: str) -> MatmulFit | None:
+        for fit in self.matmul_fits:
+            if fit.dtype == dtype:
+                return fit
+        return None
+
+    def best_matmul_fit(self, dtype: str) -> MatmulFit | None:
+        """The fit for ``dtype``, else for fp32 (what CPUs run), else any."""
+        return self.matmul_fit(dtype) or self.matmul_fit("fp32") or (self.matmul_fits[0] if self.matmul_fits else None)
+
+    def collective_fit(self, op: str) -> CollectiveFit | None:
+        for fit in self.collective_fits:
+            if fit.op == op:
+                return fit
+        return None
+
+    @property
+    def max_ranks(self) -> int:
+        return max((p.ranks for p in self.collectives), default=1)
+
+
+# ----------------------------------------------------------------------------------------------- fitting
+
+
+def fit_matmul(points: tuple[MatmulPoint, ...] | list[MatmulPoint], dtype: str) -> MatmulFit:
+    """Fit ``MatmulFit`` to the points of one dtype: grid over the two half-points, closed-form peak.
+
+    Minimises the squared log-error of predicted vs measured time, so small and large shapes weigh alike.
+    """
+    pts = [p for p in points if p.dtype == dtype]
+    if not pts:
+        raise ProfileError(f"no matmul measurements for dtype {dtype!r} to fit")
+    d = np.array([min(p.m, p.n, p.k) for p in pts], dtype=float)
+    flops = np.array([p.flops for p in pts])
+    t = np.array([p.time_s for p in pts])
+    best: tuple[float, float, float, float] | None = None
+    for dim_half in (0.0, *np.geomspace(1.0, 4096.0, 25)):
+        for flops_half in (0.0, *np.geomspace(1e3, 1e13, 41)):
+            shape_eff = d / (d + dim_half) * flops / (flops + flops_half)
+            log_peak = np.mean(np.log(flops / (shape_eff * t)))  # t = F / (peak * eff)
+            err = np.log(flops / (np.exp(log_peak) * shape_eff)) - np.log(t)
+            score = float(np.sum(err * err))
+            if best is None or score < best[0] - 1e-12:
+                best = (score, float(np.exp(log_peak)) / 1e12, float(dim_half), float(flops_half))
+    assert best is not None
+    return MatmulFit(dtype=dtype, peak_tflops=best[1], dim_half=best[2], flops_half=best[3])
+
+
+def fit_collective(points: tuple[CollectivePoint, ...] | list[CollectivePoint], op: str) -> CollectiveFit:
+    """Least-squares alpha (latency) and bus bandwidth for ``op`` over every measured (ranks, bytes) point."""
+    from costmodel.comm import ring_terms  # comm owns the formulas; imported here to keep load order simple
+
+    pts = [p for p in points if p.op == op]
+    if not pts:
+        raise ProfileError(f"no {op} measurements to fit")
+    rows, rhs = [], []
+    for p in pts:
+        steps, factor = ring_terms(op, p.ranks)
+        # relative error: divide each equation t = steps*alpha + factor*S*beta by t
+        rows.append([steps / p.time_s, factor * p.nbytes / p.time_s])
+        rhs.append(1.0)
+    a, b = np.array(rows), np.array(rhs)
+    alpha, beta = (float(x) for x in np.linalg.lstsq(a, b, rcond=None)[0])
+    if beta <= 0:  # latency-dominated data: bandwidth from the largest message as if it were all transfer
+        big = max(pts, key=lambda p: p.nbytes)
+        beta = big.time_s / (ring_terms(op, big.ranks)[1] * big.nbytes)
+        alpha = 0.0
+    elif alpha < 0:  # bandwidth-dominated data: refit bandwidth with zero latency
+        alpha, beta = 0.0, float(np.linalg.lstsq(a[:, 1:2], b, rcond=None)[0][0])
+    return CollectiveFit(op=op, latency_s=float(alpha), bus_gbps=float(1.0 / beta / 1e9), max_ranks=max(p.ranks for p in pts))
+
+
+def membound_rate_gbps(points: tuple[MemboundPoint, ...] | list[MemboundPoint]) -> float:
+    """Achieved rate at the large sizes: the median over the largest half of the points (caches excluded)."""
+    if not points:
+        raise ProfileError("no memory-bound measurements")
+    ordered = sorted(points, key=lambda p: p.nbytes)
+    large = ordered[len(ordered) // 2 :]
+    return float(np.median([p.gbps for p in large]))
+
+
+def build_calibration(
+    *,
+    device_name: str,
+    accelerator: str,
+    date: str,
+    backend: str,
+    memory_gb: float,
+    matmul: tuple[MatmulPoint, ...],
+    membound: tuple[MemboundPoint, ...],
+    collectives: tuple[CollectivePoint, ...],
+    threads_per_rank: int = 1,
+    torch_version: str = "",
+    notes: str = "",
+) -> Calibration:
+    """A ``Calibration`` from raw measurements, with every fit computed."""
+    dtypes = sorted({p.dtype for p in matmul})
+    ops = [op for op in COLLECTIVE_OPS if any(p.op == op for p in collectives)]
+    cal = Calibration(
+        device_name=device_name,
+        accelerator=accelerator,
+        date=date,
+        backend=backend,
+        memory_gb=float(memory_gb),
+        matmul=tuple(matmul),
+        membound=tuple(membound),
+        membound_gbps=membound_rate_gbps(membound),
+        collectives=tuple(collectives),
+        matmul_fits=tuple(fit_matmul(matmul, d) for d in dtypes),
+        collective_fits=tuple(fit_collective(collectives, op) for op in ops),
+        threads_per_rank=threads_per_rank,
+        torch_version=torch_version,
+        notes=notes,
+    )
+    validate_calibration(cal, where="<measurements>")
+    return cal
+
+
+# ------------------------------------------------------------------------------------- (de)serialisation
+
+_POINT_TYPES = {
+    "matmul": MatmulPoint,
+    "membound": MemboundPoint,
+    "collectives": CollectivePoint,
+    "matmul_fits": MatmulFit,
+    "collective_fits": CollectiveFit,
+}
+
+
+def calibration_to_dict(cal: Calibration) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in fields(Calibration):
+        value = getattr(cal, f.name)
+        if f.name in _POINT_TYPES:
+            value = [{g.name: getattr(item, g.name) for g in fields(type(item))} for item in value]
+        out[f.name] = value
+    return out
+
+
+def _num(value: Any, *, where: str, key: str, integer: bool = False, positive: bool = True) -> float:
+    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok_type or (isinstance(value, float) and not math.isfinite(value)):
+        kind = "an integer" if integer else "a finite number"
+        raise ProfileError(f"{where}: key {key!r} = {value!r} must be {kind}")
+    if positive and value <= 0:
+        raise ProfileError(f"{where}: key {key!r} = {value!r} must be > 0")
+    if not positive and value < 0:
+        raise ProfileError(f"{where}: key {key!r} = {value!r} must be >= 0")
+    return value
+
+
+def _items(data: dict, key: str, cls: type, *, where: str) -> tuple:
+    raw = data.get(key, [])
+    if not isinstance(raw, list):
+        raise ProfileError(f"{where}: key {key!r} must be a list of tables, got {type(raw).__name__}")
+    names = [f.name for f in fields(cls)]
+    out = []
+    for i, item in enumerate(raw):
+        here = f"{where}: {key}[{i}]"
+        if not isinstance(item, dict):
+            raise ProfileError(f"{here} must be a table with keys {names}")
+        missing = [n for n in names if n not in item]
+        if missing:
+            raise ProfileError(f"{here}: missing key {missing[0]!r}; required keys: {', '.join(names)}")
+        out.append(cls(**{n: item[n] for n in names}))
+    return tuple(out)
+
+
+def calibration_from_dict(data: dict[str, Any], *, where: str = "<calibration>") -> Calibration:
+    """Parse and validate; ``where`` (usually the file path) prefixes every error."""
+    if not isinstance(data, dict):
+        raise ProfileError(f"{where}: a calibration must be a table / object")
+    version = data.get("schema_version", SCHEMA_VERSION)
+    if version != SCHEMA_VERSION:
+        raise ProfileError(f"{where}: schema_version {version!r} is not supported (this autopar reads {SCHEMA_VERSION}); re-run `autopar calibrate`")
+    required = ("device_name", "accelerator", "date", "backend", "memory_gb", "membound_gbps")
+    for key in required:
+        if key not in data:
+            raise ProfileError(f"{where}: missing key {key!r}; required keys: {', '.join(required)}")
+    kwargs = {f.name: data[f.name] for f in fields(Calibration) if f.name in data and f.name not in _POINT_TYPES}
+    for key, cls in _POINT_TYPES.items():
+        kwargs[key] = _items(data, key, cls, where=where)
+    try:
+        cal = Calibration(**kwargs)
+    except TypeError as e:  # pragma: no cover - all keys are filtered above
+        raise ProfileError(f"{where}: {e}") from None
+    if not cal.matmul_fits and cal.matmul:
+        cal = _replace_fits(cal)
+    validate_calibration(cal, where=where)
+    return cal
+
+
+def _replace_fits(cal: Calibration) -> Calibration:
+    return build_calibration(
+        device_name=cal.device_name, accelerator=cal.accelerator, date=cal.date, backend=cal.backend,
+        memory_gb=cal.memory_gb, matmul=cal.matmul, membound=cal.membound, collectives=cal.collectives,
+        threads_per_rank=cal.threads_per_rank, torch_version=cal.torch_version, notes=cal.notes,
+    )  # fmt: skip
+
+
+def validate_calibration(cal: Calibration, *, where: str) -> None:
+    for key in ("device_name", "accelerator", "date", "backend"):
+        if not isinstance(getattr(cal, key), str) or not getattr(cal, key):
+            raise ProfileError(f"{where}: key {key!r} must be a non-empty string")
+    if cal.backend not in BACKENDS:
+        raise ProfileError(f"{where}: key 'backend' = {cal.backend!r}; allowed: {', '.join(BACKENDS)}")
+    _num(cal.memory_gb, where=where, key="memory_gb")
+    _num(cal.membound_gbps, where=where, key="membound_gbps")
+    _num(cal.threads_per_rank, where=where, key="threads_per_rank", integer=True)
+    for i, p in enumerate(cal.matmul):
+        here = f"{where}: matmul[{i}]"
+        for key in ("m", "n", "k"):
+            _num(getattr(p, key), where=here, key=key, integer=True)
+        _num(p.time_s, where=here, key="time_s")
+        if p.dtype not in CAL_DTYPES:
+            raise ProfileError(f"{here}: key 'dtype' = {p.dtype!r}; allowed: {', '.join(CAL_DTYPES)}")
+    for i, p in enumerate(cal.membound):
+        _num(p.nbytes, where=f"{where}: membound[{i}]", key="nbytes")
+        _num(p.time_s, where=f"{where}: membound[{i}]", key="time_s")
+    for i, p in enumerate(cal.collectives):
+        here = f"{where}: collectives[{i}]"
+        if p.op not in COLLECTIVE_OPS:
+            raise ProfileError(f"{here}: key 'op' = {p.op!r}; allowed: {', '.join(COLLECTIVE_OPS)}")
+        _num(p.ranks, where=here, key="ranks", integer=True)
+        if p.ranks < 2:
+            raise ProfileError(f"{here}: key 'ranks' = {p.ranks} must be >= 2")
+        _num(p.nbytes, where=here, key="nbytes")
+        _num(p.time_s, where=here, key="time_s")
+    for i, f in enumerate(cal.matmul_fits):
+        here = f"{where}: matmul_fits[{i}]"
+        _num(f.peak_tflops, where=here, key="peak_tflops")
+        _num(f.dim_half, where=here, key="dim_half", positive=False)
+        _num(f.flops_half, where=here, key="flops_half", positive=False)
+    for i, f in enumerate(cal.collective_fits):
+        here = f"{where}: collective_fits[{i}]"
+        _num(f.latency_s, where=here, key="latency_s", positive=False)
+        _num(f.bus_gbps, where=here, key="bus_gbps")
+
+
+def save_calibration(cal: Calibration, path: str | Path) -> Path:
+    """Write ``cal`` as JSON (``.json``, default) or TOML (``.toml``)."""
+    path = Path(path)
+    data = calibration_to_dict(cal)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".toml":
+        path.write_text(_to_toml(data))
+    else:
+        path.write_text(json.dumps(data, indent=1) + "\n")
+    return path
+
+
+def load_calibration(path: str | Path) -> Calibration:
+    """Read and validate a calibration file (JSON or TOML); errors name the file and key."""
+    path = Path(path)
+    if not path.is_file():
+        raise ProfileError(f"calibration file {str(path)!r} does not exist; create one with `autopar calibrate --out {path}`")
+    text = path.read_text()
+    try:
+        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ProfileError(f"{path}: invalid TOML: {e}") from None
+    except json.JSONDecodeError as e:
+        raise ProfileError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+    return calibration_from_dict(data, where=str(path))
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")  # pragma: no cover
+
+
+def _to_toml(data: dict[str, Any]) -> str:
+    lines = ["# autopar calibration profile (written by `autopar calibrate`)"]
+    tables = {k: v for k, v in data.items() if isinstance(v, list)}
+    for key, value in data.items():
+        if key not in tables:
+            lines.append(f"{key} = {_toml_value(value)}")
+    for key, items in tables.items():
+        for item in items:
+            lines.append(f"[[{key}]]")
+            lines.extend(f"{k} = {_toml_value(v)}" for k, v in item.items())
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,418 @@
+"""Load hardware profiles (``profiles/*.toml``) and build clusters from them.
+
+Every number in the profile files carries a ``source``. Files are validated on load: a bad value raises
+``ProfileError`` naming the file, the table and key, and the allowed values. The built-in files are read
+once per process (an ``lru_cache`` of immutable results keyed by directory).
+
+Cluster specs accepted by ``resolve_cluster``: a node type name (``dgx-a100-80gb``) times ``nodes``;
+``local`` (CPU processes on this machine; uses a calibration when given); a ``.toml`` cluster file with
+``[[groups]]`` of node types (heterogeneous clusters), optionally defining its own ``[nodes.*]`` and
+``[links.*]``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import tomllib
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from costmodel.calibration import Calibration, load_calibration
+from costmodel.errors import ProfileError
+from costmodel.hardware import (
+    DTYPES,
+    INTRA_TOPOLOGIES,
+    LINK_KINDS,
+    Accelerator,
+    Cluster,
+    Link,
+    NodeGroup,
+    NodeType,
+)
+
+log = logging.getLogger(__name__)
+
+PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+"""The ``profiles`` data package (a plain directory next to ``costmodel``)."""
+
+LOCAL = "local"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProfileDB:
+    """All accelerators, links and node types known, keyed by canonical name."""
+
+    accelerators: Mapping[str, Accelerator]
+    links: Mapping[str, Link]
+    nodes: Mapping[str, NodeType]
+
+
+# ------------------------------------------------------------------------------------------ validation
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ProfileError(f"profile file {str(path)!r} does not exist") from None
+    except tomllib.TOMLDecodeError as e:  # message carries "(at line L, column C)"
+        raise ProfileError(f"{path}: invalid TOML: {e}") from None
+
+
+class _Table:
+    """One ``[section.name]`` table of a file, with typed getters whose errors name file, table and key."""
+
+    def __init__(self, data: Any, *, file: Path | str, where: str) -> None:
+        self.file, self.where = file, where
+        if not isinstance(data, dict):
+            self.fail(f"must be a table, got {type(data).__name__}")
+        self.data = data
+
+    def fail(self, msg: str) -> None:
+        raise ProfileError(f"{self.file}: [{self.where}] {msg}")
+
+    def _raw(self, key: str, default: Any, required: bool) -> Any:
+        if key not in self.data:
+            if required:
+                self.fail(f"missing key {key!r}")
+            return default
+        return self.data[key]
+
+    def string(self, key: str, *, required: bool = True, default: str = "", allowed: tuple[str, ...] = ()) -> str:
+        value = self._raw(key, default, required)
+        if not isinstance(value, str) or (required and not value):
+            self.fail(f"key {key!r} = {value!r} must be a non-empty string")
+        if allowed and value not in allowed:
+            self.fail(f"key {key!r} = {value!r} is not allowed; allowed values: {', '.join(allowed)}")
+        return value
+
+    def number(self, key: str, *, required: bool = True, default: float | None = None, integer: bool = False) -> Any:
+        value = self._raw(key, default, required)
+        if value is None and not required:
+            return None
+        good = isinstance(value, int) if integer else isinstance(value, (int, float))
+        if isinstance(value, bool) or not good:
+            self.fail(f"key {key!r} = {value!r} must be {'an integer' if integer else 'a number'}")
+        if value <= 0 or value != value or value == float("inf"):
+            self.fail(f"key {key!r} = {value!r} must be a positive finite number")
+        return value if integer else float(value)
+
+    def strings(self, key: str) -> tuple[str, ...]:
+        value = self._raw(key, [], False)
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            self.fail(f"key {key!r} must be a list of strings")
+        return tuple(value)
+
+    def check_keys(self, allowed: tuple[str, ...]) -> None:
+        unknown = sorted(set(self.data) - set(allowed))
+        if unknown:
+            self.fail(f"unknown key {unknown[0]!r}; allowed keys: {', '.join(allowed)}")
+
+
+_ACCEL_KEYS = ("vendor", "kind", "memory_gb", "hbm_gbps", "peak_tflops", "source", "aliases", "nvlink_link", "pcie_link")
+_LINK_KEYS = ("kind", "gbps_per_direction", "latency_s", "source")
+_NODE_KEYS = ("gpu", "gpus_per_node", "intra", "intra_topology", "nic", "nics_per_node", "price_per_gpu_hour",
+              "price_source", "source")  # fmt: skip
+
+
+def _parse_accelerator(name: str, data: Any, *, file: Path | str) -> Accelerator:
+    t = _Table(data, file=file, where=f"accelerators.{name}")
+    t.check_keys(_ACCEL_KEYS)
+    peaks = _Table(t._raw("peak_tflops", None, True), file=file, where=f"accelerators.{name}.peak_tflops")
+    peaks.check_keys(DTYPES)
+    if not peaks.data:
+        peaks.fail(f"needs at least one of {', '.join(DTYPES)}")
+    return Accelerator(
+        name=name,
+        memory_gb=t.number("memory_gb"),
+        hbm_gbps=t.number("hbm_gbps"),
+        peak_tflops={d: peaks.number(d) for d in DTYPES if d in peaks.data},
+        source=t.string("source"),
+        vendor=t.string("vendor", required=False),
+        kind=t.string("kind", required=False, default="gpu", allowed=("gpu", "cpu")),  # type: ignore[arg-type]
+        aliases=t.strings("aliases"),
+        nvlink_link=t.string("nvlink_link", required=False),
+        pcie_link=t.string("pcie_link", required=False),
+    )
+
+
+def _parse_link(name: str, data: Any, *, file: Path | str) -> Link:
+    t = _Table(data, file=file, where=f"links.{name}")
+    t.check_keys(_LINK_KEYS)
+    return Link(
+        name=name,
+        kind=t.string("kind", allowed=LINK_KINDS),  # type: ignore[arg-type]
+        gbps_per_direction=t.number("gbps_per_direction"),
+        latency_s=t.number("latency_s"),
+        source=t.string("source"),
+    )
+
+
+def _lookup(table: _Table, key: str, known: Mapping[str, Any], what: str) -> Any:
+    name = table.string(key)
+    if name not in known:
+        table.fail(f"key {key!r} = {name!r} is not a known {what}; known: {', '.join(sorted(known))}")
+    return known[name]
+
+
+def _parse_node(name: str, data: Any, *, file: Path | str, accelerators: Mapping, links: Mapping) -> NodeType:
+    t = _Table(data, file=file, where=f"nodes.{name}")
+    t.check_keys(_NODE_KEYS)
+    return NodeType(
+        name=name,
+        gpu=_lookup(t, "gpu", accelerators, "accelerator"),
+        gpus_per_node=t.number("gpus_per_node", integer=True),
+        intra=_lookup(t, "intra", links, "link"),
+        intra_topology=t.string("intra_topology", required=False, default="switch", allowed=INTRA_TOPOLOGIES),
+        nic=_lookup(t, "nic", links, "link"),
+        nics_per_node=t.number("nics_per_node", integer=True),
+        price_per_gpu_hour=t.number("price_per_gpu_hour", required=False),
+        price_source=t.string("price_source", required=False),
+        source=t.string("source"),
+    )
+
+
+def _section(data: dict, key: str, *, file: Path | str, required: bool) -> dict:
+    if key not in data:
+        if required:
+            raise ProfileError(f"{file}: missing top-level table [{key}]")
+        return {}
+    if not isinstance(data[key], dict):
+        raise ProfileError(f"{file}: [{key}] must be a table of named tables")
+    return data[key]
+
+
+def parse_profiles(*, accelerators: dict, links: dict, nodes: dict, files: tuple[str, str, str], base: ProfileDB | None = None) -> ProfileDB:
+    """Build a ``ProfileDB`` from parsed TOML sections (extending ``base`` if given)."""
+    accels = dict(base.accelerators) if base else {}
+    accels.update({n: _parse_accelerator(n, d, file=files[0]) for n, d in accelerators.items()})
+    link_map = dict(base.links) if base else {}
+    link_map.update({n: _parse_link(n, d, file=files[1]) for n, d in links.items()})
+    node_map = dict(base.nodes) if base else {}
+    node_map.update(
+        {n: _parse_node(n, d, file=files[2], accelerators=accels, links=link_map) for n, d in nodes.items()}
+    )
+    return ProfileDB(
+        accelerators=MappingProxyType(accels), links=MappingProxyType(link_map), nodes=MappingProxyType(node_map)
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def load_profiles(directory: str | None = None) -> ProfileDB:
+    """Read ``accelerators.toml``, ``links.toml``, ``nodes.toml`` from ``directory`` (default: built-in)."""
+    root = Path(directory) if directory else PROFILES_DIR
+    paths = tuple(root / f for f in ("accelerators.toml", "links.toml", "nodes.toml"))
+    sections = [
+        _section(_read_toml(p), key, file=p, required=True) for p, key in zip(paths, ("accelerators", "links", "nodes"))
+    ]
+    return parse_profiles(
+        accelerators=sections[0], links=sections[1], nodes=sections[2], files=tuple(str(p) for p in paths)
+    )
+
+
+# ------------------------------------------------------------------------------------------- lookups
+
+
+def list_accelerators() -> list[str]:
+    return sorted(load_profiles().accelerators)
+
+
+def list_node_types() -> list[str]:
+    return sorted(load_profiles().nodes)
+
+
+def list_links() -> list[str]:
+    return sorted(load_profiles().links)
+
+
+def get_accelerator(name: str, *, db: ProfileDB | None = None) -> Accelerator:
+    """By name or alias, case-insensitive; unknown -> ProfileError listing the known names."""
+    db = db or load_profiles()
+    wanted = name.strip().lower()
+    for accel in db.accelerators.values():
+        if wanted == accel.name.lower() or wanted in (a.lower() for a in accel.aliases):
+            return accel
+    raise ProfileError(f"unknown accelerator {name!r}; known: {', '.join(sorted(db.accelerators))}")
+
+
+def get_link(name: str, *, db: ProfileDB | None = None) -> Link:
+    db = db or load_profiles()
+    for link in db.links.values():
+        if link.name.lower() == name.strip().lower():
+            return link
+    raise ProfileError(f"unknown link {name!r}; known: {', '.join(sorted(db.links))}")
+
+
+def get_node_type(name: str, *, db: ProfileDB | None = None) -> NodeType:
+    db = db or load_profiles()
+    for node in db.nodes.values():
+        if node.name.lower() == name.strip().lower():
+            return node
+    raise ProfileError(f"unknown node type {name!r}; known: {', '.join(sorted(db.nodes))}, or a cluster .toml file")
+
+
+# ------------------------------------------------------------------------------------------- clusters
+
+
+def _positive_int(value: Any, what: str, fix: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ProfileError(f"{what} = {value!r} must be a positive integer; {fix}")
+    return value
+
+
+def local_node_type(*, gpus_per_node: int, calibration: Calibration | None = None) -> NodeType:
+    """``local``: ``gpus_per_node`` CPU processes on this machine; measured rates when calibrated.
+
+    With a calibration the accelerator's peak is the fitted matmul peak per dtype, its memory bandwidth the
+    measured memory-bound rate, and the loopback link's bandwidth / latency the all-reduce fit (the comm model
+    uses the per-op fits directly). Without one, the conservative defaults of ``profiles/``.
+    """
+    base = get_node_type(LOCAL)
+    gpu, link = base.gpu, base.intra
+    if calibration is not None:
+        peaks = {f.dtype: f.peak_tflops for f in calibration.matmul_fits}
+        gpu = replace(
+            gpu,
+            peak_tflops=peaks or dict(gpu.peak_tflops),
+            hbm_gbps=calibration.membound_gbps,
+            memory_gb=calibration.memory_gb,
+            source=f"autopar calibrate on {calibration.device_name}, {calibration.date}",
+        )
+        fit = calibration.collective_fit("all_reduce")
+        if fit is not None:
+            link = replace(
+                link,
+                gbps_per_direction=fit.bus_gbps,
+                latency_s=max(fit.latency_s, 1e-9),
+                source=f"autopar calibrate ({calibration.backend}) on {calibration.device_name}, {calibration.date}",
+            )
+    return replace(base, gpu=gpu, intra=link, nic=link, gpus_per_node=gpus_per_node)
+
+
+def make_cluster(
+    node_type: str, nodes: int, *, gpus_per_node: int | None = None, calibration: Calibration | None = None
+) -> Cluster:
+    """``nodes`` nodes of ``node_type`` (a name from ``profiles/nodes.toml`` or ``local``)."""
+    nodes = _positive_int(nodes, "nodes", "pass --nodes N with N >= 1")
+    if gpus_per_node is not None:
+        _positive_int(gpus_per_node, "gpus_per_node", "pass --gpus-per-node N with N >= 1")
+    if node_type.strip().lower() == LOCAL:
+        node = local_node_type(gpus_per_node=gpus_per_node or get_node_type(LOCAL).gpus_per_node, calibration=calibration)
+    else:
+        node = get_node_type(node_type)
+        if gpus_per_node is not None and gpus_per_node != node.gpus_per_node:
+            node = replace(node, gpus_per_node=gpus_per_node, nics_per_node=max(1, node.nics_per_node * gpus_per_node // node.gpus_per_node))
+    return Cluster(name=f"{nodes}x{node.name}", groups=(NodeGroup(node=node, count=nodes),), calibration=calibration)
+
+
+def load_cluster_file(path: str | Path, *, calibration: Calibration | None = None) -> Cluster:
+    """A cluster TOML file: ``name``, ``[[groups]]`` (``node``, ``count``, optional ``gpus_per_node``),
+    optional ``calibration`` (a path relative to the file) and its own ``[accelerators.*]``, ``[links.*]``,
+    ``[nodes.*]`` tables (same keys as the built-in files)."""
+    path = Path(path)
+    data = _read_toml(path)
+    allowed = ("name", "groups", "calibration", "accelerators", "links", "nodes")
+    unknown = sorted(set(data) - set(allowed))
+    if unknown:
+        raise ProfileError(f"{path}: unknown top-level key {unknown[0]!r}; allowed: {', '.join(allowed)}")
+    db = parse_profiles(
+        accelerators=_section(data, "accelerators", file=path, required=False),
+        links=_section(data, "links", file=path, required=False),
+        nodes=_section(data, "nodes", file=path, required=False),
+        files=(str(path),) * 3,
+        base=load_profiles(),
+    )
+    groups_raw = data.get("groups")
+    if not isinstance(groups_raw, list) or not groups_raw:
+        raise ProfileError(f"{path}: missing key 'groups': add one or more [[groups]] tables with node = NAME, count = N")
+    if calibration is None and "calibration" in data:
+        cal_path = data["calibration"]
+        if not isinstance(cal_path, str):
+            raise ProfileError(f"{path}: key 'calibration' must be a path string")
+        calibration = load_calibration(path.parent / cal_path)
+    groups = []
+    for i, raw in enumerate(groups_raw):
+        t = _Table(raw, file=path, where=f"groups[{i}]")
+        t.check_keys(("node", "count", "gpus_per_node"))
+        name = t.string("node")
+        count = t.number("count", integer=True)
+        gpn = t.number("gpus_per_node", required=False, integer=True)
+        if name.lower() == LOCAL:
+            node = local_node_type(gpus_per_node=gpn or get_node_type(LOCAL).gpus_per_node, calibration=calibration)
+        else:
+            if name not in db.nodes:
+                t.fail(f"key 'node' = {name!r} is not a known node type; known: {', '.join(sorted(db.nodes))}")
+            node = db.nodes[name]
+            if gpn and gpn != node.gpus_per_node:
+                node = replace(node, gpus_per_node=gpn, nics_per_node=max(1, node.nics_per_node * gpn // node.gpus_per_node))
+        groups.append(NodeGroup(node=node, count=count))
+    name = data.get("name", path.stem)
+    if not isinstance(name, str) or not name:
+        raise ProfileError(f"{path}: key 'name' must be a non-empty string")
+    return Cluster(name=name, groups=tuple(groups), calibration=calibration)
+
+
+def resolve_cluster(
+    spec: str, *, nodes: int | None = None, gpus_per_node: int | None = None, profile_path: str | Path | None = None
+) -> Cluster:
+    """What ``--cluster SPEC [--nodes N] [--gpus-per-node G] [--profile FILE]`` means.
+
+    ``spec`` is a node type name, ``local``, or a cluster ``.toml`` file. ``nodes`` (default 1) and
+    ``gpus_per_node`` apply to node types; for a single-group file ``nodes`` overrides its count.
+    """
+    calibration = load_calibration(profile_path) if profile_path else None
+    if spec.endswith(".toml") or Path(spec).is_file():
+        cluster = load_cluster_file(spec, calibration=calibration)
+        if nodes is not None or gpus_per_node is not None:
+            if len(cluster.groups) != 1:
+                raise ProfileError(
+                    f"--nodes / --gpus-per-node cannot resize cluster file {spec!r}: it has {len(cluster.groups)} "
+                    "node groups; edit the counts in the file instead"
+                )
+            group = cluster.groups[0]
+            node = group.node if gpus_per_node is None else replace(group.node, gpus_per_node=gpus_per_node)
+            count = _positive_int(nodes, "nodes", "pass --nodes N with N >= 1") if nodes is not None else group.count
+            cluster = replace(cluster, groups=(NodeGroup(node=node, count=count),))
+        return cluster
+    return make_cluster(spec, nodes if nodes is not None else 1, gpus_per_node=gpus_per_node, calibration=calibration)
+
+
+def custom_cluster(*, gpu: str, nodes: int, gpus_per_node: int, intra: str, inter_node_gbps: float) -> Cluster:
+    """A what-if cluster: ``nodes`` x ``gpus_per_node`` of ``gpu`` on NVLink (the GPU's own NVLink / NVSwitch
+    generation) or PCIe (its PCIe generation), one NIC per GPU of ``inter_node_gbps`` GB/s per direction
+    (GB/s, not Gb/s: InfiniBand NDR 400 Gb/s = 50)."""
+    accel = get_accelerator(gpu)
+    nodes = _positive_int(nodes, "nodes", "pass nodes >= 1")
+    gpus_per_node = _positive_int(gpus_per_node, "gpus_per_node", "pass gpus_per_node >= 1")
+    if isinstance(inter_node_gbps, bool) or not isinstance(inter_node_gbps, (int, float)) or not inter_node_gbps > 0:
+        raise ProfileError(f"inter_node_gbps = {inter_node_gbps!r} must be a positive number of GB/s per direction")
+    choices = {"nvlink": accel.nvlink_link, "pcie": accel.pcie_link}
+    if intra not in choices:
+        raise ProfileError(f"intra = {intra!r}; allowed: nvlink, pcie")
+    if not choices[intra]:
+        raise ProfileError(f"{accel.name} has no {intra} fabric in profiles/accelerators.toml; use intra='pcie'")
+    intra_link = get_link(choices[intra])
+    nic = Link(
+        name=f"nic-{inter_node_gbps:g}GBps",
+        kind="infiniband",
+        gbps_per_direction=float(inter_node_gbps),
+        latency_s=get_link("ib-ndr").latency_s,
+        source="what-if: custom_cluster(inter_node_gbps=...)",
+    )
+    topology = "switch" if intra_link.kind in ("nvswitch",) else "full-mesh" if intra_link.kind == "xgmi" else (
+        "pcie-tree" if intra_link.kind == "pcie" else "switch")  # fmt: skip
+    node = NodeType(
+        name=f"custom-{gpus_per_node}x{accel.name}-{intra}",
+        gpu=accel,
+        gpus_per_node=gpus_per_node,
+        intra=intra_link,
+        intra_topology=topology,
+        nic=nic,
+        nics_per_node=gpus_per_node,
+        source="what-if: custom_cluster",
+    )
+    return Cluster(name=f"{nodes}x{node.name}", groups=(NodeGroup(node=node, count=nodes),))
