@@ -3,8 +3,9 @@
 A ``Calibration`` holds raw measurements (matmul times over shapes, a memory-bound op's rate, collective
 times over sizes and rank counts) plus fits that the cost model uses in place of datasheet defaults:
 
-- ``MatmulFit`` per dtype: achieved TFLOP/s = ``peak_tflops * d/(d + dim_half) * F/(F + flops_half)`` with
-  ``d = min(m, n, k)`` and ``F = 2 m n k`` (the same curve ``costmodel.compute`` uses with default constants).
+- ``MatmulFit`` per dtype: time = ``(F (1 + dim_half/d) + flops_half) / peak``, i.e. achieved TFLOP/s =
+  ``peak_tflops * F / (F (1 + dim_half / d) + flops_half)`` with ``d = min(m, n, k)`` and ``F = 2 m n k``
+  (the same curve ``costmodel.compute`` uses with default constants).
 - ``CollectiveFit`` per op: the alpha-beta ring model ``t = steps(n) * latency_s + factor(n) * S / bus_bw``
   (``costmodel.comm.ring_terms``) fitted by least squares on relative error over every (ranks, bytes) point.
 
@@ -79,12 +80,13 @@ class MatmulFit:
     dim_half: float
     """Smallest matmul dimension at which efficiency halves (tile quantisation, skinny shapes)."""
     flops_half: float
-    """Total FLOPs at which efficiency halves (launch overhead, too few tiles to fill the device)."""
+    """FLOPs' worth of fixed time per call (launch overhead): ``flops_half / peak`` seconds; a matmul of
+    ``flops_half`` FLOPs runs at half speed."""
 
     def tflops(self, m: int, n: int, k: int) -> float:
         d = float(min(m, n, k))
         flops = 2.0 * m * n * k
-        return self.peak_tflops * d / (d + self.dim_half) * flops / (flops + self.flops_half)
+        return self.peak_tflops * flops / (flops * (1.0 + self.dim_half / d) + self.flops_half)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -161,7 +163,7 @@ def fit_matmul(points: tuple[MatmulPoint, ...] | list[MatmulPoint], dtype: str) 
     best: tuple[float, float, float, float] | None = None
     for dim_half in (0.0, *np.geomspace(1.0, 4096.0, 25)):
         for flops_half in (0.0, *np.geomspace(1e3, 1e13, 41)):
-            shape_eff = d / (d + dim_half) * flops / (flops + flops_half)
+            shape_eff = flops / (flops * (1.0 + dim_half / d) + flops_half)
             log_peak = np.mean(np.log(flops / (shape_eff * t)))  # t = F / (peak * eff)
             err = np.log(flops / (np.exp(log_peak) * shape_eff)) - np.log(t)
             score = float(np.sum(err * err))

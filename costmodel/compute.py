@@ -3,11 +3,10 @@
 ``time = max(flops / (peak x compute efficiency), bytes / (memory bandwidth x memory efficiency))``.
 
 Compute efficiency by op class:
-- ``matmul``: ``matmul_max * d / (d + dim_half) * F / (F + flops_half)`` of the dtype's dense peak, with
-  ``d = min(m, n, k)`` (skinny matmuls waste tile rows / columns: a 16-row GEMM cannot fill a 128x128 tile)
-  and ``F = 2 m n k`` total FLOPs (a small GEMM is dominated by launch and too few tiles per SM wave);
-  ``flops_half = peak * matmul_max * matmul_time_half_s``, a kernel as long as the launch overhead runs at half
-  speed. With no shape, the large-matmul efficiency ``matmul_max``.
+- ``matmul``: time ``F / (peak * matmul_max) * (1 + dim_half / d) + matmul_time_half_s`` with ``F = 2 m n k``
+  and ``d = min(m, n, k)``: skinny matmuls waste tile rows / columns (a 16-row GEMM cannot fill a 128-wide
+  tile), and every kernel pays a fixed launch / tail time, so a matmul as long as that runs at half speed.
+  Efficiency = ideal time / that time. With no shape, the large-matmul efficiency ``matmul_max``.
 - ``attention`` (fused / flash attention kernels): ``attention`` of peak.
 - everything else runs at ``vector_fraction`` of the non-tensor-core fp32 rate and is normally memory-bound.
 - ``view`` ops move nothing and cost nothing.
@@ -98,8 +97,9 @@ def matmul_efficiency(
     eff = efficiency or DEFAULT_COMPUTE_EFFICIENCY
     d = float(min(m, n, k))
     flops = 2.0 * m * n * k
-    flops_half = peak * 1e12 * eff.matmul_max * eff.matmul_time_half_s
-    return eff.matmul_max * d / (d + eff.matmul_dim_half) * flops / (flops + flops_half)
+    ideal_s = flops / (peak * 1e12)
+    time_s = ideal_s / eff.matmul_max * (1.0 + eff.matmul_dim_half / d) + eff.matmul_time_half_s
+    return ideal_s / time_s
 
 
 def compute_rate_flops(
