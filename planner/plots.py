@@ -1,0 +1,273 @@
+"""Pictures of a what-if study and of one plan (matplotlib, Agg backend: files only, no display).
+
+- ``plot_scaling``: throughput (tokens/s) and cost (USD per million tokens) against GPU count, one line per
+  topology (GPU, GPUs per node, intra-node link, inter-node bandwidth).
+- ``plot_breakdown``: stacked bars of where each cluster's step time goes (compute, exposed communication per
+  link kind, pipeline bubble, optimizer, ...).
+- ``plot_pareto``: time against cost to train, the Pareto-optimal clusters joined and named.
+- ``plot_gantt``: one plan's pipeline schedule as ``costmodel.pipeline.schedule_events`` simulates it (the
+  order torch.distributed.pipelining executes): forward / backward / weight-gradient per stage and micro-batch
+  on a grey idle background, so bubbles show; and a memory bar per stage.
+
+Every function takes the data and an output path, writes one PNG and returns the path.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from planner.plan import Plan
+
+_KIND_COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
+_KIND_NAMES = {"F": "forward", "B": "backward", "W": "weight gradient"}
+_IDLE_COLOR = "#E5E5E5"
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig: Any, path: str | Path) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(p, dpi=110, bbox_inches="tight")
+    _pyplot().close(fig)
+    return p
+
+
+def _feasible(table: Any) -> Any:
+    return table[(table["status"] == "ok") & (table["tokens_per_s"] > 0)]
+
+
+def _topology_lines(table: Any) -> dict[str, Any]:
+    """Rows grouped into lines over GPU count; single-node rows (no inter-node link) join every line."""
+    import pandas as pd
+
+    keys = ["gpu", "gpus_per_node", "intra"]
+    lines: dict[str, Any] = {}
+    for key, group in table.groupby(keys, sort=False, dropna=False):
+        single = group[group["nic_gbit_s"].isna()]
+        multi = group[group["nic_gbit_s"].notna()]
+        base = f"{key[0]} {key[1]}/node {key[2]}"
+        if multi.empty:
+            lines[base] = single
+            continue
+        for gbps, sub in multi.groupby("nic_gbit_s", sort=True):
+            lines[f"{base} {gbps:g} Gb/s NIC"] = pd.concat([single, sub]).sort_values("gpus")
+    return lines
+
+
+def plot_scaling(table: Any, path: str | Path, *, title: str = "") -> Path:
+    """Throughput and cost per token vs GPU count, a line per topology; infeasible cases counted below."""
+    plt = _pyplot()
+    ok = _feasible(table)
+    fig, (ax_t, ax_c) = plt.subplots(1, 2, figsize=(13, 5))
+    for name, rows in _topology_lines(ok).items():
+        rows = rows.sort_values("gpus")
+        ax_t.plot(rows["gpus"], rows["tokens_per_s"], marker="o", label=name)
+        ax_c.plot(rows["gpus"], rows["usd_per_mtok"], marker="o", label=name)
+    for ax in (ax_t, ax_c):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("GPUs (count, log scale)")
+        ax.grid(True, which="both", alpha=0.3)
+    ax_t.set_yscale("log")
+    ax_t.set_ylabel("throughput (tokens/s, log scale)")
+    ax_t.set_title("predicted training throughput")
+    ax_c.set_ylabel("cost (USD per million tokens)")
+    ax_c.set_title("cost per token")
+    handles, labels = ax_t.get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3, fontsize=8,
+                   title="topology (GPU, GPUs per node, intra-node link, NIC Gb/s per GPU)")
+    bad = len(table) - len(ok)
+    sup = title or "what-if: throughput and cost vs GPU count"
+    if bad:
+        sup += f"  ({bad} infeasible case{'s' if bad > 1 else ''} not drawn)"
+    fig.suptitle(sup)
+    return _save(fig, path)
+
+
+def plot_breakdown(table: Any, breakdowns: dict[str, dict[str, float]], path: str | Path, *,
+                   title: str = "") -> Path:
+    """Stacked horizontal bars: seconds per step in each term of the predicted breakdown, per cluster."""
+    plt = _pyplot()
+    labels = [c for c in _feasible(table)["cluster"] if c in breakdowns]
+    terms = list(dict.fromkeys(t for c in labels for t in breakdowns[c]))
+    fig, ax = plt.subplots(figsize=(11, max(3.0, 0.32 * len(labels) + 1.5)))
+    left = [0.0] * len(labels)
+    cmap = plt.get_cmap("tab10")
+    for j, term in enumerate(terms):
+        widths = [max(0.0, breakdowns[c].get(term, 0.0)) for c in labels]
+        ax.barh(labels, widths, left=left, color=cmap(j % 10), label=term)
+        left = [a + b for a, b in zip(left, widths)]
+    ax.invert_yaxis()
+    ax.set_xlabel("time per optimizer step (s)")
+    ax.set_ylabel("cluster")
+    ax.set_title(title or "where the step time goes (best plan per cluster)")
+    if terms:
+        ax.legend(title="term", loc="lower right", fontsize=8)
+    ax.grid(True, axis="x", alpha=0.3)
+    return _save(fig, path)
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of points not dominated in (x, y), both minimised, sorted by x."""
+    order = sorted(range(len(points)), key=lambda i: (points[i][0], points[i][1]))
+    front, best_y = [], math.inf
+    for i in order:
+        if points[i][1] < best_y:
+            front.append(i)
+            best_y = points[i][1]
+    return front
+
+
+def plot_pareto(table: Any, path: str | Path, *, tokens: float | None = None, title: str = "") -> Path:
+    """Time vs cost: to train ``tokens`` if given (days, USD), else per million tokens (s, USD)."""
+    plt = _pyplot()
+    ok = _feasible(table)
+    ok = ok[ok["usd_per_mtok"].notna()]
+    if tokens:
+        xs = list(tokens / ok["tokens_per_s"] / 86400.0)
+        ys = list(ok["usd_per_mtok"] * tokens / 1e6)
+        xlabel, ylabel = f"time to train {tokens:.3g} tokens (days)", f"cost to train {tokens:.3g} tokens (USD)"
+    else:
+        xs = list(1e6 / ok["tokens_per_s"])
+        ys = list(ok["usd_per_mtok"])
+        xlabel, ylabel = "time per million tokens (s)", "cost per million tokens (USD)"
+    names = list(ok["cluster"])
+    fig, ax = plt.subplots(figsize=(9, 6))
+    ax.scatter(xs, ys, color="#8C8C8C", label="cluster (best plan)")
+    front = pareto_front(list(zip(xs, ys)))
+    if front:
+        ax.plot([xs[i] for i in front], [ys[i] for i in front], color="#C44E52", marker="o", label="Pareto front")
+        for i in front:
+            ax.annotate(names[i], (xs[i], ys[i]), textcoords="offset points", xytext=(5, 5), fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlabel(xlabel + ", log scale")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title or "time vs cost: Pareto-optimal clusters")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    return _save(fig, path)
+
+
+# --- one plan ---------------------------------------------------------------------------------------------
+
+
+def plan_chunk_times(plan: Plan) -> tuple[list[float], list[float], list[float]]:
+    """Per chunk (torch stage index): forward, backward and weight-gradient seconds of one micro-batch.
+
+    ``StagePlan.predicted_time_s`` is forward + backward; backward is taken as twice the forward (three
+    times with full recomputation, which runs the forward again); zero-bubble splits backward into equal
+    input-gradient and weight-gradient halves.
+    """
+    tf, tb, tw = [], [], []
+    for st in sorted(plan.stages, key=lambda s: s.index):
+        share = 4.0 if st.recompute == "full" else 3.0
+        f = st.predicted_time_s / share
+        b = st.predicted_time_s - f
+        if plan.schedule.name == "zero-bubble":
+            tf.append(f), tb.append(b / 2), tw.append(b / 2)
+        else:
+            tf.append(f), tb.append(b), tw.append(0.0)
+    return tf, tb, tw
+
+
+def plot_gantt(plan: Plan, path: str | Path, *, max_microbatch_labels: int = 64) -> Path:
+    """The plan's pipeline schedule per stage and micro-batch, and the memory of each stage."""
+    from costmodel.pipeline import schedule_events
+
+    plt = _pyplot()
+    s, pp = plan.schedule, plan.degrees.pp
+    tf, tb, tw = plan_chunk_times(plan)
+    events = schedule_events(s.name, pp=pp, num_microbatches=s.num_microbatches, virtual_stages=s.virtual_stages,
+                             t_fwd_s=tf, t_bwd_s=tb, t_wgrad_s=tw)
+    end_s = max(e.end_s for e in events)
+    unit, scale = ("ms", 1e3) if end_s < 10 else ("s", 1.0)
+    fig, (ax, ax_m) = plt.subplots(1, 2, figsize=(14, max(3.0, 0.55 * pp + 1.8)),
+                                   gridspec_kw={"width_ratios": [4, 1]})
+    ax.barh(range(pp), [end_s * scale] * pp, color=_IDLE_COLOR, height=0.8)
+    label_bars = len(events) <= max_microbatch_labels * 3
+    for e in events:
+        alpha = 1.0 - 0.45 * (e.chunk % 2)  # interleaved chunks alternate shade
+        ax.barh(e.stage, (e.end_s - e.start_s) * scale, left=e.start_s * scale, height=0.8,
+                color=_KIND_COLORS[e.kind], alpha=alpha, edgecolor="white", linewidth=0.5)
+        if label_bars:
+            ax.text((e.start_s + e.end_s) / 2 * scale, e.stage, str(e.microbatch), ha="center", va="center",
+                    fontsize=6, color="white")
+    idle = 1.0 - sum(e.end_s - e.start_s for e in events) / (pp * end_s)
+    ax.set_yticks(range(pp), [f"stage {r}" for r in range(pp)])
+    ax.invert_yaxis()
+    ax.set_xlabel(f"time within one optimizer step ({unit})")
+    ax.set_ylabel("pipeline stage (rank)")
+    vtxt = f", {s.virtual_stages} chunks per stage" if s.virtual_stages > 1 else ""
+    ax.set_title(f"{s.name}: pp={pp}, {s.num_microbatches} micro-batches{vtxt}; idle {idle:.0%} "
+                 "(numbers: micro-batch)", fontsize=10)
+    ax.legend(handles=_gantt_legend(sorted({e.kind for e in events}, key="FBW".index), s.virtual_stages),
+              loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=5, fontsize=8)
+    _memory_bars(ax_m, plan)
+    fig.suptitle(f"{plan.model.name} on {plan.cluster.name}: tp={plan.degrees.tp} pp={pp} dp={plan.degrees.dp}",
+                 y=1.03)
+    return _save(fig, path)
+
+
+def _gantt_legend(kinds: list[str], virtual_stages: int) -> list[Any]:
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=_IDLE_COLOR, label="idle (bubble)")]
+    handles += [Patch(color=_KIND_COLORS[k], label=_KIND_NAMES[k]) for k in kinds]
+    if virtual_stages > 1:
+        handles.append(Patch(color=_KIND_COLORS["F"], alpha=0.55, label="lighter: odd chunk of a stage"))
+    return handles
+
+
+def _memory_bars(ax: Any, plan: Plan) -> None:
+    pp = plan.degrees.pp
+    mem = [0.0] * pp
+    for st in plan.stages:
+        mem[st.pp_rank] += st.predicted_memory_gb
+    ax.barh(range(pp), mem, color="#8172B2", height=0.6, label="predicted")
+    cap = _device_memory_gb(plan)
+    if cap is not None:
+        ax.axvline(cap, color="#C44E52", linestyle="--", label=f"device memory {cap:g} GB")
+    ax.set_yticks(range(pp), [f"stage {r}" for r in range(pp)])
+    ax.invert_yaxis()
+    ax.set_xlabel("memory per device (GB)")
+    ax.set_title("memory per stage", fontsize=10)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), fontsize=8)
+
+
+def _device_memory_gb(plan: Plan) -> float | None:
+    from costmodel.errors import ProfileError
+
+    try:
+        from costmodel.profiles import get_accelerator
+    except ImportError:
+        return None
+    names = {st.gpu for st in plan.stages if st.gpu} or set(plan.cluster.gpu.split("+"))
+    caps = []
+    for name in names:
+        try:
+            caps.append(get_accelerator(name).memory_gb)
+        except ProfileError:
+            return None
+    return min(caps) if caps else None
+
+
+def write_whatif_plots(result: Any, out_dir: str | Path, *, tokens: float | None = None) -> list[Path]:
+    """All sweep plots of a ``planner.whatif.WhatIfResult`` into ``out_dir``; returns the files."""
+    from planner.whatif import plan_breakdowns
+
+    out = Path(out_dir)
+    return [
+        plot_scaling(result.table, out / "whatif_throughput.png"),
+        plot_breakdown(result.table, plan_breakdowns(result.plans), out / "whatif_breakdown.png"),
+        plot_pareto(result.table, out / "whatif_pareto.png", tokens=tokens),
+    ]

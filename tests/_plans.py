@@ -1,0 +1,82 @@
+"""Hand-built, consistent ``Plan`` objects for tests of export, diff and plots (no planner run needed)."""
+
+from __future__ import annotations
+
+from planner.plan import (
+    ClusterInfo,
+    MeshSpec,
+    ModelInfo,
+    ParallelDegrees,
+    Plan,
+    Prediction,
+    ScheduleSpec,
+    StagePlan,
+)
+
+
+def make_plan(
+    *,
+    tp: int = 2,
+    pp: int = 4,
+    dp: int = 2,
+    cp: int = 1,
+    ep: int = 1,
+    layers: int = 16,
+    virtual_stages: int = 1,
+    schedule: str = "1f1b",
+    microbatch: int = 1,
+    num_microbatches: int = 8,
+    zero_stage: int = 1,
+    sequence_parallel: bool = True,
+    recompute: str = "selective",
+    cuts: tuple[int, ...] | None = None,
+    gpu: str = "H100-SXM5-80GB",
+    step_time_s: float = 2.0,
+    memory_gb: float = 50.0,
+) -> Plan:
+    """A plan of a ``layers``-layer model with embedding on chunk 0 and head on the last chunk."""
+    d = ParallelDegrees(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep)
+    chunks = pp * virtual_stages
+    cuts = cuts or tuple([layers // chunks] * chunks)
+    if sum(cuts) != layers or len(cuts) != chunks:
+        raise ValueError(f"cuts {cuts} must be {chunks} numbers summing to {layers}")
+    stages, start = [], 0
+    ranks_per_stage = tp * cp * dp
+    for c, n in enumerate(cuts):
+        mods = [f"model.layers.{i}" for i in range(start, start + n)]
+        if c == 0:
+            mods.insert(0, "model.embed_tokens")
+        if c == chunks - 1:
+            mods += ["model.norm", "lm_head"]
+        r = c % pp
+        stages.append(StagePlan(
+            index=c, pp_rank=r, modules=tuple(mods),
+            ranks=tuple(range(r * ranks_per_stage, (r + 1) * ranks_per_stage)), recompute=recompute, gpu=gpu,
+            predicted_time_s=0.01 * n * (4 / 3 if recompute == "full" else 1.0),
+            predicted_memory_gb=memory_gb / virtual_stages * (1.0 - 0.05 * r),
+        ))
+        start += n
+    world = d.world_size
+    gb = microbatch * num_microbatches * dp
+    seq = 4096
+    return Plan(
+        model=ModelInfo(name="llama:test", fingerprint="sha256:00ff", params=8_000_000_000,
+                        flops_per_step=6 * 8e9 * gb * seq, num_layers=layers, seq_len=seq),
+        cluster=ClusterInfo(name=f"{world // 8 or 1}x8 {gpu}", num_devices=world, nodes=max(1, world // 8),
+                            gpus_per_node=min(8, world), gpu=gpu),
+        degrees=d,
+        mesh=MeshSpec.from_degrees(d),
+        stages=tuple(stages),
+        zero_stage=zero_stage,
+        sequence_parallel=sequence_parallel,
+        schedule=ScheduleSpec(name=schedule, microbatch_size=microbatch, num_microbatches=num_microbatches,
+                              virtual_stages=virtual_stages),
+        global_batch=gb,
+        prediction=Prediction(
+            step_time_s=step_time_s, tokens_per_s=gb * seq / step_time_s, model_tflops_per_gpu=300.0,
+            hw_tflops_per_gpu=380.0, mfu=0.3, memory_gb_per_device=memory_gb, fits=True,
+            breakdown_s={"compute": 0.7 * step_time_s, "comm_nvswitch": 0.1 * step_time_s,
+                         "bubble": 0.15 * step_time_s, "optimizer": 0.05 * step_time_s},
+            bottleneck="nvswitch",
+        ),
+    )
