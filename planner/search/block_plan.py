@@ -30,8 +30,8 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 class CostContext:
     """How to time work and collectives: two callables, so the builder stays pure and testable."""
 
-    op_time_s: Callable[[LayerOp, float, float], float]
-    """(op, flops, bytes_moved) -> seconds on one device."""
+    op_time_s: Callable[[LayerOp, OpStrategy, float, float], float]
+    """(op, strategy, local flops, local bytes moved) -> seconds on one device."""
     collective_time_s: Callable[[Collective], float]
     """A collective on its mesh axis -> seconds."""
 
@@ -43,6 +43,8 @@ class _Costed:
     bwd_s: float
     comm_fwd_s: float
     comm_bwd_s: float
+    state_bytes: float
+    act_bytes: float
     memory_bytes: float
 
 
@@ -62,10 +64,12 @@ def _collectives_time_s(ctx: CostContext, cs: Sequence[Collective]) -> float:
 
 
 def _cost_strategy(op: LayerOp, s: OpStrategy, *, ctx: CostContext, mesh: MeshShape, recompute: str,
-                   state_bytes_per_param: float) -> _Costed:
+                   state_bytes_per_param: float, activation_multiplier: float) -> _Costed:
     frac = s.work_fraction / mesh.cp
-    fwd = ctx.op_time_s(op, op.flops_fwd * frac, op.bytes_fwd * frac) if (op.flops_fwd or op.bytes_fwd) else 0.0
-    bwd = ctx.op_time_s(op, op.flops_bwd * frac, 2.0 * op.bytes_fwd * frac) if (op.flops_bwd or op.bytes_fwd) else 0.0
+    fwd = ctx.op_time_s(op, s, op.flops_fwd * frac, op.bytes_fwd * frac) if (op.flops_fwd or op.bytes_fwd) else 0.0
+    # Backward reads the forward's inputs and output gradient and writes the input and weight gradients: about
+    # twice the forward traffic.
+    bwd = ctx.op_time_s(op, s, op.flops_bwd * frac, 2.0 * op.bytes_fwd * frac) if (op.flops_bwd or op.bytes_fwd) else 0.0
     recomputed = recompute == "full" or (recompute == "selective" and op.kind == "attention")
     comm_fwd = _collectives_time_s(ctx, s.comm_fwd)
     if recomputed:
@@ -74,9 +78,10 @@ def _cost_strategy(op: LayerOp, s: OpStrategy, *, ctx: CostContext, mesh: MeshSh
     else:
         comm_fwd_again = 0.0
     saved = 0.0 if recomputed and op.kind != "input" else op.saved_bytes * s.act_fraction / mesh.cp
-    memory = op.params * s.param_fraction * state_bytes_per_param + saved
+    states = op.params * s.param_fraction * state_bytes_per_param
     return _Costed(strategy=s, fwd_s=fwd, bwd_s=bwd, comm_fwd_s=comm_fwd,
-                   comm_bwd_s=_collectives_time_s(ctx, s.comm_bwd) + comm_fwd_again, memory_bytes=memory)
+                   comm_bwd_s=_collectives_time_s(ctx, s.comm_bwd) + comm_fwd_again, state_bytes=states,
+                   act_bytes=saved, memory_bytes=states + activation_multiplier * saved)
 
 
 def edge_collectives(src: OpStrategy, dst: OpStrategy, index: int, nbytes: float) -> tuple[
@@ -99,14 +104,16 @@ def _boundary_collectives(src: OpStrategy, dst: OpStrategy, nbytes: float):
 
 
 def block_problem(ops: Sequence[LayerOp], *, mesh: MeshShape, ctx: CostContext, recompute: str = "none",
-                  state_bytes_per_param: float = 16.0, mem_budget_bytes: float = math.inf) -> BlockProblem:
+                  state_bytes_per_param: float = 16.0, activation_multiplier: float = 1.0,
+                  mem_budget_bytes: float = math.inf) -> BlockProblem:
     """Build the pure sharding problem of a block's ops (see the module docstring)."""
     if recompute not in RECOMPUTE_MODES:
         raise ConfigError(f"recompute={recompute!r}; choose one of {RECOMPUTE_MODES}")
     index = {op.name: i for i, op in enumerate(ops)}
     costed = tuple(
         tuple(_cost_strategy(op, s, ctx=ctx, mesh=mesh, recompute=recompute,
-                             state_bytes_per_param=state_bytes_per_param) for s in candidates(op, mesh))
+                             state_bytes_per_param=state_bytes_per_param,
+                             activation_multiplier=activation_multiplier) for s in candidates(op, mesh))
         for op in ops
     )
     edges, triples = [], []
@@ -172,7 +179,11 @@ class BlockStrategy:
     comm_bytes_by_kind: dict[str, float] = field(default_factory=dict)
     """Full buffer bytes per collective, forward + backward, keyed ``<axis>_<kind>`` (``tp_all_reduce``)."""
     memory_bytes: float = 0.0
-    """Per device: model states of the block's parameter shards plus stored activations."""
+    """Per device: ``state_bytes + activation_multiplier * activation_bytes`` (what the budget bounded)."""
+    state_bytes: float = 0.0
+    """Model states (weights, gradients, optimizer) of the block's parameter shards on one device."""
+    activation_bytes: float = 0.0
+    """Activations one micro-batch keeps for the backward pass on one device."""
     solver: dict[str, Any] = field(default_factory=dict)
     """status, objective_s, bound_s, gap, solve_time_s, num_variables, num_constraints, cached."""
 
@@ -220,6 +231,8 @@ def read_solution(bp: BlockProblem, sol: intra_op.ShardingSolution, *, ctx: Cost
         time_fwd_s=fwd, time_bwd_s=bwd, comm_fwd_s=comm_f, comm_bwd_s=comm_b,
         comm_bytes_by_kind=by_kind,
         memory_bytes=sol.memory_bytes,
+        state_bytes=sum(c.state_bytes for c in chosen),
+        activation_bytes=sum(c.act_bytes for c in chosen),
         solver={"status": sol.status, "objective_s": sol.objective, "bound_s": sol.bound, "gap": sol.gap,
                 "solve_time_s": sol.solve_time_s, "num_variables": sol.num_variables,
                 "num_constraints": sol.num_constraints},
@@ -243,9 +256,10 @@ def cluster_cost_context(cluster, *, mesh: MeshShape, device=None, dtype: str = 
     calibration = getattr(cluster, "calibration", None)
     groups = {axis: comm.Group(size=size, stride=stride) for axis, (size, stride) in mesh_groups(mesh).items()}
 
-    def op_time(op: LayerOp, flops: float, nbytes: float) -> float:
+    def op_time(op: LayerOp, s: OpStrategy, flops: float, nbytes: float) -> float:
+        shape = s.local_mnk(op.mnk, tp=mesh.tp, cp=mesh.cp)
         return compute.op_time_s(flops=flops, bytes_moved=nbytes, op_class=op.op_class, device=gpu, dtype=dtype,
-                                 calibration=calibration)
+                                 shape=shape, calibration=calibration)
 
     def coll_time(c: Collective) -> float:
         group = groups[c.axis]
@@ -280,12 +294,62 @@ class StrategyCache:
 
 
 def solve_block(ops: Sequence[LayerOp], *, mesh: MeshShape, ctx: CostContext, recompute: str = "none",
-                state_bytes_per_param: float = 16.0, mem_budget_bytes: float = math.inf,
-                options: intra_op.SolverOptions | None = None) -> BlockStrategy:
+                state_bytes_per_param: float = 16.0, activation_multiplier: float = 1.0,
+                mem_budget_bytes: float = math.inf, options: intra_op.SolverOptions | None = None) -> BlockStrategy:
     """Build, solve and read back the sharding problem of ``ops`` (no memo: see ``block_strategy``)."""
     bp = block_problem(ops, mesh=mesh, ctx=ctx, recompute=recompute, state_bytes_per_param=state_bytes_per_param,
-                       mem_budget_bytes=mem_budget_bytes)
+                       activation_multiplier=activation_multiplier, mem_budget_bytes=mem_budget_bytes)
     sol = intra_op.solve(bp.problem, options or intra_op.SolverOptions())
     log.debug("block of %d ops on %s: %s objective %.3g s in %.3f s", len(ops), mesh, sol.status, sol.objective,
               sol.solve_time_s)
     return read_solution(bp, sol, ctx=ctx, mesh=mesh, recompute=recompute)
+
+
+def block_strategy(block, *, tp: int, cp: int = 1, ep: int = 1, microbatch: int, seq: int,
+                   sequence_parallel: bool = False, recompute: str = "none", cluster, device=None,
+                   dtype: str = "bf16", mem_budget_bytes: float = math.inf, state_bytes_per_param: float = 16.0,
+                   activation_multiplier: float = 1.0, first_rank: int = 0,
+                   options: intra_op.SolverOptions | None = None,
+                   cache: StrategyCache | None = None) -> BlockStrategy:
+    """The sharding of a traced ``planner.graph.Block`` on a (tp, cp, ep) submesh for one micro-batch.
+
+    Memoized in ``cache`` on the block's signature and every argument the answer depends on, so repeated
+    blocks (the layers of a transformer) are solved once. ``mem_budget_bytes`` bounds ``state_bytes +
+    activation_multiplier * activation_bytes`` per device; ``state_bytes_per_param`` is 16 for mixed-precision
+    Adam without ZeRO (pass the ZeRO-sharded figure otherwise). Raises ``InfeasiblePlanError`` (with the
+    minimum memory) when no sharding fits, ``ConfigError`` for invalid degrees.
+    """
+    from planner.search.block_ops import layer_ops_from_block
+
+    for name, value in (("tp", tp), ("cp", cp), ("ep", ep), ("microbatch", microbatch), ("seq", seq)):
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name}={value!r} must be a positive integer")
+    if seq % cp:
+        raise ConfigError(f"cp={cp} does not divide seq={seq}; choose cp in "
+                          f"{[d for d in range(1, seq + 1) if seq % d == 0 and d <= 64]}")
+    options = options or intra_op.SolverOptions()
+    mesh = MeshShape(tp=tp, cp=cp, ep=ep, sequence_parallel=bool(sequence_parallel and tp > 1))
+    gpu = device if device is not None else cluster.node_type_of_rank(first_rank).gpu
+    key = (getattr(block, "signature", None) or block.name, mesh, microbatch, seq, recompute, gpu.name, dtype,
+           _cluster_key(cluster), first_rank, mem_budget_bytes, state_bytes_per_param, activation_multiplier,
+           options)
+    if cache is not None:
+        hit = cache.get(key)
+        if hit is not None:
+            return hit
+    ops = layer_ops_from_block(block, microbatch=microbatch, seq=seq)
+    ctx = cluster_cost_context(cluster, mesh=mesh, device=gpu, dtype=dtype, first_rank=first_rank)
+    result = solve_block(ops, mesh=mesh, ctx=ctx, recompute=recompute, state_bytes_per_param=state_bytes_per_param,
+                         activation_multiplier=activation_multiplier, mem_budget_bytes=mem_budget_bytes,
+                         options=options)
+    if cache is not None:
+        cache.put(key, result)
+    return result
+
+
+def _cluster_key(cluster) -> tuple:
+    """What of a Cluster the costs depend on (Cluster objects hold dicts and are not hashable)."""
+    groups = tuple((g.node.name, g.count, g.node.gpus_per_node, g.node.intra.gbps_per_direction,
+                    g.node.nic.gbps_per_direction, g.node.nics_per_node) for g in cluster.groups)
+    calibration = getattr(cluster, "calibration", None)
+    return (cluster.name, groups, None if calibration is None else id(calibration))

@@ -81,6 +81,8 @@ class LayerOp:
     kv_heads), embedding / head (vocab)."""
     op_class: str = "other"
     """``planner.graph`` op class (matmul, attention, norm, ...) for the compute cost model."""
+    mnk: tuple[int, ...] = ()
+    """Matmul shape ``(m, n, k)`` (tokens, output features summed over the group, input features)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -105,6 +107,16 @@ class OpStrategy:
     act_fraction: float
     comm_fwd: tuple[Collective, ...] = ()
     comm_bwd: tuple[Collective, ...] = ()
+    matmul_split: str = ""
+    """Which matmul dimension the strategy splits over tp: ``n`` (column), ``k`` (row) or none."""
+
+    def local_mnk(self, mnk: tuple[int, ...], *, tp: int, cp: int) -> tuple[int, ...] | None:
+        """The matmul shape one rank runs (None when the op has no matmul shape)."""
+        if len(mnk) != 3:
+            return None
+        m, n, k = mnk
+        return (max(1, m // cp), max(1, n // tp) if self.matmul_split == "n" else n,
+                max(1, k // tp) if self.matmul_split == "k" else k)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -154,10 +166,12 @@ def _linear(op: LayerOp, mesh: MeshShape) -> list[OpStrategy]:
     *outs, fan_in = op.shard_dims or (0, 0)
     if _divides(t, tuple(outs)):
         out.append(OpStrategy(name="colwise", style="colwise", in_layouts=("R",), grad_layouts=("P",),
-                              out_layout="S_hid", work_fraction=1 / t, param_fraction=1 / t, act_fraction=1 / t))
+                              out_layout="S_hid", work_fraction=1 / t, param_fraction=1 / t, act_fraction=1 / t,
+                              matmul_split="n"))
     if fan_in % t == 0 and fan_in > 0 and len(op.modules) == 1:
         out.append(OpStrategy(name="rowwise", style="rowwise", in_layouts=("S_hid",), grad_layouts=("S_hid",),
-                              out_layout="P", work_fraction=1 / t, param_fraction=1 / t, act_fraction=1.0))
+                              out_layout="P", work_fraction=1 / t, param_fraction=1 / t, act_fraction=1.0,
+                              matmul_split="k"))
     return out
 
 
@@ -228,7 +242,7 @@ def _head(op: LayerOp, mesh: MeshShape) -> list[OpStrategy]:
     if mesh.tp > 1 and _divides(mesh.tp, op.shard_dims):
         out.append(OpStrategy(name="vocab_head", style="vocab_head", in_layouts=("R",), grad_layouts=("P",),
                               out_layout="S_hid", work_fraction=1 / mesh.tp, param_fraction=1 / mesh.tp,
-                              act_fraction=1 / mesh.tp))
+                              act_fraction=1 / mesh.tp, matmul_split="n"))
     return out
 
 
