@@ -1,0 +1,437 @@
+"""Pipeline parallelism: cut a model at the plan's module FQNs and run the plan's schedule.
+
+``build_pipeline(model, *, plan, mesh, loss_fn) -> PipelineRunner``; ``runner.step(inputs, targets) -> loss``
+runs forward and backward over the plan's micro-batches with ``torch.distributed.pipelining`` and returns the
+global mean loss on every rank (mean over micro-batches, broadcast over the pipeline axis, averaged over the
+data-parallel axis); gradients are accumulated into ``.grad`` of the local chunks' parameters (call
+``optimizer.zero_grad()`` between steps as usual).
+
+Cutting. ``StagePlan.modules`` lists module FQNs in execution order; chunk ``i`` runs on pipeline rank
+``i % pp`` (torch's loop placement for multi-chunk schedules). Each FQN maps onto a unit of the model-family
+layout (``runtime.model_adapters``): the embedding (all its modules together), one transformer layer, or one
+module after the layers. Chunks must hold contiguous, ordered, non-overlapping runs of units that together
+cover the model; embedding or head modules a plan does not name are added to the first / last chunk. A chunk is
+an ``nn.Module`` that *references* the original submodules at their original FQNs (nothing is copied), so
+``chunk.named_parameters()`` gives the model's own parameter names, and TP / FSDP / materialisation keyed by FQN
+apply to chunks as to the model.
+
+Schedules (``ScheduleSpec.name``): ``gpipe`` -> ``ScheduleGPipe``, ``1f1b`` -> ``Schedule1F1B`` (both one chunk
+per rank), ``interleaved-1f1b`` -> ``ScheduleInterleaved1F1B``, ``zero-bubble`` -> ``ScheduleInterleavedZeroBubble``
+(ZB-H1 for one chunk per rank, split input / weight backward; runs on gloo). ``ScheduleZBVZeroBubble`` needs the
+V placement (chunk ``i`` and ``2p-1-i`` on one rank), which the plan's loop placement does not describe, so it is
+not used.
+
+Tied embeddings (OPT / GPT-2 tie ``lm_head.weight`` to the token embedding): when the embedding and the head are
+on different pipeline ranks, both hold the weight; it is made equal once (broadcast from the embedding's rank on
+the first step) and its gradient is summed over the two ranks after each step (Megatron's embedding group).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from costmodel.errors import ConfigError, PlanMismatchError
+from planner.plan import Plan, StagePlan
+from runtime.checkpointing import set_recompute
+from runtime.model_adapters import EMBED_UNIT, Layout, ModelAdapter, adapter_for
+
+logger = logging.getLogger(__name__)
+
+
+# --- cutting ----------------------------------------------------------------------------------------------
+
+
+def _unit_of(fqn: str, layout: Layout) -> int:
+    if fqn in layout.embed:
+        return 0
+    units = layout.units
+    for i, unit in enumerate(units[1:], start=1):
+        if fqn == unit:
+            return i
+        if fqn.startswith(unit + "."):
+            raise PlanMismatchError(
+                f"stage module {fqn!r} is part of {unit!r}: pipeline cuts are at whole layers; "
+                f"name {unit!r} instead"
+            )
+    raise PlanMismatchError(
+        f"stage module {fqn!r} is not a unit of this {layout.family} model; expected one of "
+        f"{layout.embed + (layout.layers[0], '...', layout.layers[-1]) + layout.post}"
+    )
+
+
+def cut_units(layout: Layout, stages: tuple[StagePlan, ...]) -> list[tuple[int, int]]:
+    """Per stage (in index order) the half-open unit range ``[lo, hi)`` it runs; checks the plan's cuts."""
+    n_units = len(layout.units)
+    ranges: list[tuple[int, int]] = []
+    for st in sorted(stages, key=lambda s: s.index):
+        ids = sorted({_unit_of(f, layout) for f in st.modules})
+        if not ids:
+            raise PlanMismatchError(f"stage {st.index} has no modules: every pipeline chunk needs at least one")
+        if ids != list(range(ids[0], ids[-1] + 1)):
+            raise PlanMismatchError(
+                f"stage {st.index} modules are not contiguous (units {ids}): a chunk runs consecutive layers"
+            )
+        ranges.append((ids[0], ids[-1] + 1))
+    # Embedding / head modules the plan does not name go to the first / last chunk.
+    if ranges[0][0] == 1:
+        ranges[0] = (0, ranges[0][1])
+    if ranges[-1][1] < n_units and ranges[-1][1] >= len(layout.layers) + 1:
+        ranges[-1] = (ranges[-1][0], n_units)
+    expect = 0
+    for i, (lo, hi) in enumerate(ranges):
+        if lo != expect:
+            what = "overlaps the previous one" if lo < expect else f"leaves out {layout.units[expect:lo]}"
+            raise PlanMismatchError(f"stage {i} starts at unit {layout.units[lo]!r} and {what}")
+        expect = hi
+    if expect != n_units:
+        raise PlanMismatchError(f"the stages leave out {layout.units[expect:]}: assign them to the last stage")
+    return ranges
+
+
+class PipelineChunk(nn.Module):
+    """Units ``[lo, hi)`` of a model; its submodules are the model's own, at their original FQNs."""
+
+    def __init__(self, model: nn.Module, *, adapter: ModelAdapter, lo: int, hi: int) -> None:
+        super().__init__()
+        layout = adapter.layout
+        units = layout.units[lo:hi]
+        self._adapter = adapter
+        self.has_embedding = lo == 0
+        self.layer_fqns = tuple(u for u in units if u in layout.layers)
+        self.post_fqns = tuple(u for u in units if u in layout.post)
+        fqns = list(layout.embed if self.has_embedding else ())
+        fqns += [*self.layer_fqns, *self.post_fqns]
+        if self.layer_fqns:
+            fqns += list(layout.aux)
+        self.fqns = tuple(fqns)
+        for fqn in self.fqns:
+            _graft(self, fqn, model.get_submodule(fqn))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self._adapter.embed(self, x) if self.has_embedding else x  # (B, T, H)
+        if self.layer_fqns:
+            context = self._adapter.layer_context(self, hidden)
+            for fqn in self.layer_fqns:
+                hidden = self._adapter.run_layer(self.get_submodule(fqn), hidden, context)
+        for fqn in self.post_fqns:
+            hidden = self.get_submodule(fqn)(hidden)
+        return hidden  # (B, T, H), or logits (B, T, V) after the head
+
+
+def _graft(root: nn.Module, fqn: str, module: nn.Module) -> None:
+    *parents, leaf = fqn.split(".")
+    node = root
+    for name in parents:
+        child = node._modules.get(name)
+        if child is None:
+            child = nn.Module()
+            node.add_module(name, child)
+        node = child
+    node.add_module(leaf, module)
+
+
+def cut_model(model: nn.Module, *, plan: Plan) -> list[PipelineChunk]:
+    """All chunks of the plan, in stage-index order, with the plan's recomputation set on their layers."""
+    adapter = adapter_for(model)
+    ranges = cut_units(adapter.layout, plan.stages)
+    chunks = []
+    for st, (lo, hi) in zip(sorted(plan.stages, key=lambda s: s.index), ranges):
+        chunk = PipelineChunk(model, adapter=adapter, lo=lo, hi=hi)
+        for fqn in chunk.layer_fqns:
+            set_recompute(chunk.get_submodule(fqn), st.recompute)
+        chunks.append(chunk)
+    return chunks
+
+
+# --- schedules --------------------------------------------------------------------------------------------
+
+
+def make_schedule(stages: list[Any], *, name: str, num_microbatches: int, loss_fn: Callable[..., Any]) -> Any:
+    """The torch schedule object for the plan's schedule name (see the module docstring)."""
+    from torch.distributed import pipelining as pl
+
+    multi = {"interleaved-1f1b": pl.ScheduleInterleaved1F1B, "zero-bubble": pl.ScheduleInterleavedZeroBubble}
+    single = {"gpipe": pl.ScheduleGPipe, "1f1b": pl.Schedule1F1B}
+    try:
+        if name in multi:
+            return multi[name](stages, n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=False)
+        if name in single:
+            if len(stages) != 1:
+                raise ConfigError(
+                    f"schedule {name!r} runs one chunk per rank but this rank has {len(stages)} "
+                    "(virtual_stages > 1): use schedule 'interleaved-1f1b' or virtual_stages=1"
+                )
+            return single[name](stages[0], n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=False)
+    except ValueError as e:  # torch's own checks (e.g. 1F1B needs num_microbatches >= pp)
+        raise ConfigError(f"schedule {name!r} with {num_microbatches} micro-batches: {e}") from None
+    raise ConfigError(f"schedule {name!r} is unknown; choose gpipe, 1f1b, interleaved-1f1b or zero-bubble")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Groups:
+    pp: Any
+    pp_rank: int
+    dp: Any | None
+    dp_size: int
+
+
+def _groups(mesh: Any, plan: Plan) -> _Groups:
+    names = tuple(mesh.mesh_dim_names or ())
+    if "pp" not in names:
+        raise ConfigError(f"mesh axes {names} have no 'pp' axis; build the mesh from plan.mesh")
+    pp_size = mesh.size(names.index("pp"))
+    if pp_size != plan.degrees.pp:
+        raise PlanMismatchError(f"mesh pp axis has {pp_size} ranks but the plan has pp={plan.degrees.pp}")
+    dp_size = mesh.size(names.index("dp")) if "dp" in names else 1
+    if "ep" in names and mesh.size(names.index("ep")) > 1:
+        raise ConfigError("pipeline x expert parallel (ep > 1 with pp > 1) is not supported; use pp=1 or ep=1")
+    return _Groups(
+        pp=mesh.get_group("pp"),
+        pp_rank=mesh.get_local_rank("pp"),
+        dp=mesh.get_group("dp") if dp_size > 1 else None,
+        dp_size=dp_size,
+    )
+
+
+def default_mesh(plan: Plan, *, device_type: str = "cpu") -> Any:
+    """A DeviceMesh laid out as the plan says (all five axes, size-1 ones included)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, tuple(plan.mesh.axis_sizes), mesh_dim_names=tuple(plan.mesh.axis_names))
+
+
+def _check_stage_ranks(plan: Plan) -> None:
+    pp = plan.degrees.pp
+    for st in plan.stages:
+        if st.pp_rank != st.index % pp:
+            raise PlanMismatchError(
+                f"stage {st.index} is placed on pp rank {st.pp_rank}, but chunk i runs on pp rank i % pp = "
+                f"{st.index % pp} (loop placement): re-plan or fix the plan's stages"
+            )
+
+
+# --- the runner -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TiedParam:
+    """A parameter of the embedding (chunk 0) that a chunk on another pp rank also uses (a tied LM head)."""
+
+    embed_name: str
+    head_chunk: int
+    head_name: str
+
+
+def _tied_params(chunks: list[PipelineChunk], plan: Plan) -> list[TiedParam]:
+    pp = plan.degrees.pp
+    first = {id(p): n for n, p in chunks[0].named_parameters()}
+    tied = []
+    for idx, chunk in enumerate(chunks[1:], start=1):
+        if idx % pp == 0:
+            continue  # on the embedding's rank: one parameter object, autograd sums the two uses
+        for name, p in chunk.named_parameters():
+            if id(p) in first:
+                tied.append(TiedParam(embed_name=first[id(p)], head_chunk=idx, head_name=name))
+    return tied
+
+
+def _tied_group(mesh: Any, tied: list[TiedParam], plan: Plan) -> Any | None:
+    """Process group {embedding rank, head rank} of this rank's pipeline (None if nothing is tied)."""
+    if not tied:
+        return None
+    head_pp_ranks = sorted({t.head_chunk % plan.degrees.pp for t in tied})
+    if len(head_pp_ranks) != 1:
+        raise ConfigError(f"tied embedding used on several pp ranks {head_pp_ranks}; untie the LM head")
+    names = tuple(mesh.mesh_dim_names)
+    grid = mesh.mesh.movedim(names.index("pp"), 0).reshape(plan.degrees.pp, -1)  # (pp, rest) global ranks
+    pairs = [[int(grid[0, j]), int(grid[head_pp_ranks[0], j])] for j in range(grid.shape[1])]
+    group, _ = dist.new_subgroups_by_enumeration(pairs)
+    return group
+
+
+def _input_ids(inputs: Any) -> torch.Tensor:
+    if isinstance(inputs, torch.Tensor):
+        return inputs
+    if isinstance(inputs, (tuple, list)) and len(inputs) == 1 and isinstance(inputs[0], torch.Tensor):
+        return inputs[0]
+    if isinstance(inputs, dict) and isinstance(inputs.get("input_ids"), torch.Tensor):
+        return inputs["input_ids"]
+    raise ConfigError(
+        f"pipeline inputs must be a token-id tensor (B, T), a 1-tuple of it or {{'input_ids': ...}}; "
+        f"got {type(inputs).__name__}"
+    )
+
+
+class PipelineRunner:
+    """The local chunks of a pipeline and the schedule that runs them; see ``build_pipeline``."""
+
+    def __init__(
+        self,
+        *,
+        plan: Plan,
+        chunks: dict[int, PipelineChunk],
+        stages: list[Any],
+        schedule: Any,
+        groups: _Groups,
+        tied: list[TiedParam],
+        tied_group: Any | None,
+        device: torch.device,
+        sync_dp_grads: bool,
+    ) -> None:
+        self.plan = plan
+        self.chunks = chunks
+        """Local chunks by stage index (``pp_rank``, ``pp_rank + pp``, ...)."""
+        self.stages = stages
+        self.schedule = schedule
+        self.pp_rank = groups.pp_rank
+        self._groups = groups
+        self._tied = tied
+        self._tied_group = tied_group
+        self._tied_synced = False
+        self._device = device
+        self._sync_dp_grads = sync_dp_grads
+        n_stages = len(plan.stages)
+        self.has_first = 0 in chunks
+        self.has_last = n_stages - 1 in chunks
+
+    @property
+    def modules(self) -> list[PipelineChunk]:
+        return [self.chunks[i] for i in sorted(self.chunks)]
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """The local chunks' parameters under the model's own FQNs, each once."""
+        seen: set[int] = set()
+        for chunk in self.modules:
+            for name, p in chunk.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield name, p
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for _, p in self.named_parameters():
+            yield p
+
+    def step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        """Forward + backward over the plan's micro-batches; the global mean loss (a 0-d tensor) on every rank."""
+        n_mb = self.plan.schedule.num_microbatches
+        input_ids = _input_ids(inputs)
+        if input_ids.shape[0] % n_mb:
+            raise ConfigError(
+                f"local batch {input_ids.shape[0]} does not split into num_microbatches={n_mb}: give each "
+                f"data-parallel rank a multiple of {n_mb} sequences (microbatch_size="
+                f"{self.plan.schedule.microbatch_size})"
+            )
+        if self._tied and not self._tied_synced:
+            self._broadcast_tied()
+            self._tied_synced = True
+        args = (input_ids.to(self._device),) if self.has_first else ()
+        target = targets.to(self._device) if self.has_last else None
+        losses: list[torch.Tensor] = []
+        self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        loss = torch.zeros((), dtype=torch.float32, device=self._device)
+        if self.has_last:
+            # each micro-batch loss was divided by n_mb for the backward (see build_pipeline): sum = mean
+            loss = torch.stack([x.detach().float() for x in losses]).sum()
+        dist.all_reduce(loss, group=self._groups.pp)  # only the last stage contributes
+        self._reduce_tied_grads()
+        if self._groups.dp is not None:
+            dist.all_reduce(loss, group=self._groups.dp)
+            loss /= self._groups.dp_size
+            if self._sync_dp_grads:
+                self._reduce_dp_grads()
+        return loss
+
+    def _local(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    def _tied_local(self) -> list[nn.Parameter]:
+        out = []
+        for t in self._tied:
+            if self.has_first:
+                out.append(self.chunks[0].get_parameter(t.embed_name))
+            elif t.head_chunk in self.chunks:
+                out.append(self.chunks[t.head_chunk].get_parameter(t.head_name))
+        return out
+
+    def _broadcast_tied(self) -> None:
+        src = dist.get_global_rank(self._tied_group, 0) if self._tied_group is not None else 0
+        for p in self._tied_local():
+            dist.broadcast(self._local(p.data), src=src, group=self._tied_group)
+
+    def _reduce_tied_grads(self) -> None:
+        for p in self._tied_local():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(self._local(p.grad), group=self._tied_group)
+
+    def _reduce_dp_grads(self) -> None:
+        for p in self.parameters():
+            if p.grad is not None:
+                g = self._local(p.grad)
+                dist.all_reduce(g, group=self._groups.dp)
+                g /= self._groups.dp_size
+
+
+def _device_of(mesh: Any) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def build_pipeline(
+    model: nn.Module,
+    *,
+    plan: Plan,
+    mesh: Any,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    sync_dp_grads: bool = True,
+    wrap_chunk: Callable[[nn.Module], nn.Module] | None = None,
+) -> PipelineRunner:
+    """Cut ``model`` per ``plan.stages`` and build this rank's stages and the plan's schedule.
+
+    ``mesh``: the DeviceMesh with a ``pp`` axis (and ``dp``), as ``default_mesh(plan)`` builds; None builds that.
+    ``loss_fn(logits (B, T, V), targets (B, T)) -> mean loss`` of one micro-batch.
+    ``sync_dp_grads``: average gradients over the ``dp`` axis after each step (set False when the chunks are
+    wrapped by FSDP / DDP that does it). ``wrap_chunk``: applied to each local chunk before its stage is built
+    (TP / FSDP / materialisation by the caller); it must return a module with the same forward.
+    """
+    _check_stage_ranks(plan)
+    if mesh is None:
+        mesh = default_mesh(plan)
+    groups = _groups(mesh, plan)
+    all_chunks = cut_model(model, plan=plan)
+    tied = _tied_params(all_chunks, plan)
+    tied_group = _tied_group(mesh, tied, plan)
+    pp = plan.degrees.pp
+    device = _device_of(mesh)
+    local = {i: c for i, c in enumerate(all_chunks) if i % pp == groups.pp_rank}
+    if wrap_chunk is not None:
+        local = {i: wrap_chunk(c) for i, c in local.items()}
+    from torch.distributed.pipelining import PipelineStage
+
+    stages = [
+        PipelineStage(local[i], stage_index=i, num_stages=len(all_chunks), device=device, group=groups.pp)
+        for i in sorted(local)
+    ]
+    n_mb = plan.schedule.num_microbatches
+
+    def mb_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        # Scale here, not with the schedule's scale_grads (which divides all of .grad, earlier
+        # accumulation included): the mean over micro-batches of equal size is the full-batch mean.
+        return loss_fn(output, target) / n_mb
+
+    schedule = make_schedule(stages, name=plan.schedule.name, num_microbatches=n_mb, loss_fn=mb_loss)
+    logger.info(
+        "pp rank %d: stages %s, schedule %s, %d micro-batches, tied %s",
+        groups.pp_rank, sorted(local), type(schedule).__name__, n_mb, [t.embed_name for t in tied],
+    )
+    return PipelineRunner(
+        plan=plan, chunks=local, stages=stages, schedule=schedule, groups=groups, tied=tied, tied_group=tied_group,
+        device=device, sync_dp_grads=sync_dp_grads,
+    )
