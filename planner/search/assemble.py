@@ -1,0 +1,133 @@
+"""Turn a search result into a ``planner.plan.Plan``: stages with module FQNs and ranks, prediction, stats."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+from planner.plan import (
+    Alternative,
+    ClusterInfo,
+    MeshSpec,
+    ModelInfo,
+    ModuleSharding,
+    ParallelDegrees,
+    Plan,
+    Prediction,
+    ScheduleSpec,
+    SolverStats,
+    StagePlan,
+)
+
+
+def cluster_info(cluster: Any) -> ClusterInfo:
+    return ClusterInfo(
+        name=cluster.name,
+        num_devices=cluster.num_devices,
+        nodes=cluster.nodes,
+        gpus_per_node=cluster.gpus_per_node,
+        gpu="+".join(cluster.gpu_names),
+    )
+
+
+def flops_per_step(workload: Any, global_batch: int) -> float:
+    return float((workload.flops_fwd_per_seq + workload.flops_bwd_per_seq) * global_batch)
+
+
+def stage_plans(*, workload: Any, cluster: Any, candidate: Any) -> tuple[StagePlan, ...]:
+    """One StagePlan per chunk: chunk ``c`` runs on pipeline rank ``c % pp``; ranks are row-major over
+    (pp, dp, ep, cp, tp) so pipeline rank ``r`` holds the contiguous block ``[r * N/pp, (r + 1) * N/pp)``."""
+    s, est = candidate.structure, candidate.estimate
+    per_rank = cluster.num_devices // s.pp
+    names = [layer.name for layer in workload.layers]
+    times = list(getattr(est, "stage_time_s", ()) or ())
+    mems = list(getattr(est, "stage_memory_gb", ()) or ())
+    out, start = [], 0
+    for c, n in enumerate(candidate.stage_layers):
+        r = c % s.pp
+        ranks = tuple(range(r * per_rank, (r + 1) * per_rank))
+        out.append(StagePlan(
+            index=c,
+            pp_rank=r,
+            modules=tuple(names[start : start + n]),
+            ranks=ranks,
+            recompute=candidate.knobs.recompute,
+            gpu=cluster.group_of_rank(ranks[0]).node.gpu.name,
+            predicted_time_s=float(times[c]) if len(times) == len(candidate.stage_layers) else 0.0,
+            predicted_memory_gb=float(mems[r]) if len(mems) == s.pp else float(est.memory_gb_per_device),
+        ))
+        start += n
+    return tuple(out)
+
+
+def prediction(est: Any) -> Prediction:
+    return Prediction(
+        step_time_s=float(est.step_time_s),
+        tokens_per_s=float(est.tokens_per_s),
+        model_tflops_per_gpu=float(est.model_tflops_per_gpu),
+        hw_tflops_per_gpu=float(est.hw_tflops_per_gpu),
+        mfu=float(est.mfu),
+        memory_gb_per_device=float(est.memory_gb_per_device),
+        fits=bool(est.fits),
+        breakdown_s={str(k): float(v) for k, v in sorted(dict(est.breakdown_s).items())},
+        memory_breakdown_gb={str(k): float(v) for k, v in sorted(dict(getattr(est, "memory_breakdown_gb", {})).items())},
+        bottleneck=str(getattr(est, "bottleneck", "")),
+    )
+
+
+def build_plan(
+    *,
+    model_info: ModelInfo,
+    workload: Any,
+    cluster: Any,
+    result: Any,
+    global_batch: int,
+    shardings: Sequence[ModuleSharding],
+    time_per_phase_s: dict[str, float],
+    record_timings: bool = True,
+) -> Plan:
+    best = result.best
+    s = best.structure
+    degrees = ParallelDegrees(tp=s.tp, cp=s.cp, pp=s.pp, dp=s.dp, ep=s.ep)
+    objective = best.step_time_s
+    bound = min(result.bound_s, objective)
+    gap = 0.0 if objective <= 0 else max(0.0, (objective - bound) / objective)
+    stats = SolverStats(
+        time_per_phase_s={k: float(v) for k, v in sorted(time_per_phase_s.items())} if record_timings else {},
+        status=result.status,
+        objective=objective,
+        bound=bound,
+        gap=gap,
+        candidates_explored=int(result.candidates_explored),
+    )
+    alternatives = tuple(
+        Alternative(
+            summary=c.summary(),
+            step_time_s=c.step_time_s,
+            memory_gb_per_device=float(c.estimate.memory_gb_per_device),
+            fits=c.fits,
+        )
+        for c in result.alternatives
+    )
+    return Plan(
+        model=model_info,
+        cluster=cluster_info(cluster),
+        degrees=degrees,
+        mesh=MeshSpec.from_degrees(degrees),
+        stages=stage_plans(workload=workload, cluster=cluster, candidate=best),
+        shardings=tuple(shardings),
+        zero_stage=best.knobs.zero_stage,
+        sequence_parallel=best.knobs.sequence_parallel,
+        schedule=ScheduleSpec(
+            name=s.schedule, microbatch_size=s.microbatch, num_microbatches=s.num_microbatches,
+            virtual_stages=s.virtual_stages,
+        ),
+        global_batch=global_batch,
+        prediction=prediction(best.estimate),
+        solver=stats,
+        alternatives=alternatives,
+    )
+
+
+def finite_or_zero(x: float) -> float:
+    return x if math.isfinite(x) else 0.0

@@ -1,0 +1,356 @@
+"""The planner's search: loop the space, price with the step model, cut stages, assemble the Plan.
+
+Phases (each timed in ``SolverStats.time_per_phase_s``):
+
+1. ``trace``: the model spec becomes a ``Workload`` (``planner.workload``, cached) unless one is given.
+2. ``enumerate``: ``space.enumerate_structures`` lists the valid structures (tp, cp, ep, pp, dp, micro-batch,
+   schedule, virtual stages), sorted by ``space.step_time_lower_bound_s``.
+3. ``screen``: branch and bound. Each structure gets its best knobs (recompute, ZeRO, sequence parallel) by the
+   dominance ladder of ``_best_knobs`` with even stages; the loop stops when a structure's lower bound
+   reaches the best step time found (all later ones have larger bounds).
+4. ``stage_dp``: for the best pipelined structures (within ``dp_margin`` of the best, at most ``dp_top_k``),
+   the stage DP proposes uneven cuts (embedding and LM head weigh in), priced again by the step model.
+5. ``intra_op``: the per-block sharding of the chosen configuration (engineer P1's ILP).
+
+Anytime: with ``time_limit_s`` the loop stops when the time is up (after at least one plan that fits) and the
+plan is marked ``status="feasible"`` with ``bound`` the least lower bound of what was not explored. Same inputs
+give the same plan: every loop runs in a fixed order and ties break on the structure's sort key.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Mapping, Sequence
+
+from costmodel.errors import AutoparError, ConfigError, InfeasiblePlanError
+from planner.search import space as sp
+from planner.search.cuts import even_split, propose_cuts
+
+log = logging.getLogger(__name__)
+
+Estimator = Callable[..., Any]
+Progress = Callable[[str, int, int, float], None]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Candidate:
+    structure: sp.Structure
+    knobs: sp.Knobs
+    estimate: Any
+    stage_layers: tuple[int, ...]
+    uneven: bool = False
+    """The cuts came from the stage DP (otherwise the even split)."""
+
+    @property
+    def step_time_s(self) -> float:
+        return float(self.estimate.step_time_s)
+
+    @property
+    def fits(self) -> bool:
+        return bool(self.estimate.fits)
+
+    def key(self) -> tuple:
+        return (self.step_time_s, self.structure, self.knobs, self.uneven, self.stage_layers)
+
+    def summary(self) -> str:
+        cut = " cuts=" + "/".join(map(str, self.stage_layers)) if self.uneven else ""
+        return f"{self.structure.summary()} {self.knobs.summary()}{cut}"
+
+
+@dataclass(kw_only=True, slots=True)
+class SearchResult:
+    best: Candidate
+    alternatives: list[Candidate]
+    status: str
+    bound_s: float
+    candidates_explored: int
+    evaluations: int
+    time_per_phase_s: dict[str, float] = field(default_factory=dict)
+    infeasible_min_memory_gb: float = math.inf
+
+
+def make_config(structure: sp.Structure, knobs: sp.Knobs, *, global_batch: int, config_type: Any = None):
+    """The step model's ``ParallelConfig`` (or ``config_type``, same fields) for a structure and knobs."""
+    if config_type is None:
+        from costmodel.step import ParallelConfig as config_type
+
+    s = structure
+    return config_type(
+        tp=s.tp, pp=s.pp, dp=s.dp, cp=s.cp, ep=s.ep, microbatch=s.microbatch, global_batch=global_batch,
+        schedule=s.schedule, virtual_stages=s.virtual_stages, recompute=knobs.recompute,
+        sequence_parallel=knobs.sequence_parallel, zero_stage=knobs.zero_stage,
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class _Ctx:
+    workload: Any
+    cluster: Any
+    global_batch: int
+    estimate: Estimator
+    options: sp.SearchOptions
+    fix: dict[str, Any]
+    deadline: float | None
+    progress: Progress | None
+    config_type: Any = None
+    evaluations: int = 0
+    least_infeasible_gb: float = math.inf
+
+    def price(self, structure: sp.Structure, knobs: sp.Knobs, stage_layers=None) -> Any | None:
+        self.evaluations += 1
+        cfg = make_config(structure, knobs, global_batch=self.global_batch, config_type=self.config_type)
+        try:
+            est = self.estimate(self.workload, cfg, self.cluster, stage_layers=stage_layers)
+        except ConfigError as e:  # the step model refuses what the space let through: skip, but say so
+            log.debug("skip %s %s: %s", structure.summary(), knobs.summary(), e)
+            return None
+        if not est.fits:
+            self.least_infeasible_gb = min(self.least_infeasible_gb, float(est.memory_gb_per_device))
+        return est
+
+    def even_cuts(self, structure: sp.Structure) -> tuple[int, ...] | None:
+        """Explicit even cuts, so that the plan's stages are exactly the ones priced."""
+        return even_split([l.kind for l in self.workload.layers], structure.pp * structure.virtual_stages)
+
+    def expired(self) -> bool:
+        return self.deadline is not None and time.perf_counter() > self.deadline
+
+
+def _best_knobs(
+    ctx: _Ctx, structure: sp.Structure, cuts: tuple[int, ...] | None = None, *, uneven: bool = False
+) -> tuple[Candidate | None, list[Candidate]]:
+    """Fastest fitting knobs by dominance: recomputation only adds time and only saves memory, so once
+    (r, zero, sp) fits, (r', zero, sp) with r' recomputing more is dominated and not priced. Before the more
+    expensive recompute levels, the leanest combination is priced: if even that does not fit, nothing does.
+    Returns the best fitting candidate (or None) and everything priced."""
+    knobs = sp.knob_choices(structure, options=ctx.options, fix=ctx.fix)
+    cuts = cuts if cuts is not None else ctx.even_cuts(structure)
+    if not knobs or cuts is None:
+        return None, []
+    tried: list[Candidate] = []
+    fitted: set[tuple[int, bool]] = set()
+    exhaustive = ctx.options.exhaustive_knobs
+
+    def run(k: sp.Knobs) -> Any | None:
+        est = ctx.price(structure, k, cuts)
+        if est is not None:
+            tried.append(Candidate(structure=structure, knobs=k, estimate=est, stage_layers=cuts, uneven=uneven))
+        return est
+
+    levels = [r for r in sp.RECOMPUTE_ORDER if any(k.recompute == r for k in knobs)]
+    for n, level in enumerate(levels):
+        if n == 1 and not fitted and not exhaustive:
+            lean = max(knobs, key=lambda k: (sp.RECOMPUTE_ORDER.index(k.recompute), k.zero_stage, k.sequence_parallel))
+            est = run(lean)
+            if est is None or not est.fits:
+                break
+        for k in knobs:
+            if k.recompute != level or ((k.zero_stage, k.sequence_parallel) in fitted and not exhaustive):
+                continue
+            if any(t.knobs == k for t in tried):
+                continue
+            est = run(k)
+            if est is not None and est.fits:
+                fitted.add((k.zero_stage, k.sequence_parallel))
+    fits = [c for c in tried if c.fits]
+    return (min(fits, key=Candidate.key) if fits else None), tried
+
+
+def _ideal_step_s(workload: Any, cluster: Any, global_batch: int) -> float:
+    flops = (workload.flops_fwd_per_seq + workload.flops_bwd_per_seq) * global_batch
+    peak = sum(g.node.gpu.tflops("bf16") * 1e12 * g.node.gpus_per_node * g.count for g in cluster.groups)
+    return flops / peak
+
+
+def _screen(ctx: _Ctx, structures: list[sp.Structure], bounds: dict[sp.Structure, float]):
+    """Branch and bound over structures sorted by lower bound, even cuts. Returns the best candidate, the
+    best candidate per structure, the leanest non-fitting candidate per structure (for the stage DP, whose
+    cuts may make it fit), the count explored, status and the bound of what was left."""
+    best: Candidate | None = None
+    fitting: list[Candidate] = []
+    misses: list[Candidate] = []
+    explored, status, bound = 0, "optimal", math.inf
+    for n, s in enumerate(structures):
+        if best is not None and bounds[s] >= best.step_time_s:
+            break  # sorted by bound: nothing later can win
+        if best is not None and ctx.expired():
+            status, bound = "feasible", bounds[s]
+            break
+        cand, tried = _best_knobs(ctx, s)
+        explored += 1
+        if cand is not None:
+            fitting.append(cand)
+            if best is None or cand.key() < best.key():
+                best = cand
+        elif tried:
+            misses.append(min(tried, key=lambda c: (c.estimate.memory_gb_per_device, c.key())))
+        if ctx.progress and (n % 64 == 0 or n == len(structures) - 1):
+            ctx.progress("screen", n + 1, len(structures), best.step_time_s if best else math.nan)
+    return best, fitting, misses, explored, status, bound
+
+
+def _inflight(schedule: str, pp: int, m: int) -> list[float]:
+    from costmodel.pipeline import inflight_microbatches
+
+    return [float(inflight_microbatches(schedule, pp=pp, stage=r, num_microbatches=m, virtual_stages=1))
+            for r in range(pp)]
+
+
+def _memory_limit_gb(cluster: Any) -> float:
+    return min(g.node.gpu.memory_gb for g in cluster.groups)
+
+
+def _stage_dp(ctx: _Ctx, ranked: list[Candidate], misses: list[Candidate]) -> tuple[list[Candidate], int]:
+    """Uneven cuts for the best pipelined candidates (and for near misses that uneven cuts may make fit):
+    every cut when there are at most ``exhaustive_cuts`` of them, else the stage DP's cut; each cut then gets
+    its own best knobs. Returns the new candidates and the number of structures refined."""
+    if not ctx.options.uneven_stages or not (ranked or misses):
+        return [], 0
+    best_s = ranked[0].step_time_s if ranked else math.inf
+    limit = best_s * (1 + ctx.options.dp_margin)
+    pool = sorted([c for c in ranked + misses if c.structure.pp > 1 and c.step_time_s <= limit], key=Candidate.key)
+    out, runs = [], 0
+    for c in pool[: ctx.options.dp_top_k]:
+        if ctx.expired() and (ranked or out):
+            break
+        runs += 1
+        for cuts in _cut_proposals(ctx, c):
+            if cuts == c.stage_layers:
+                continue
+            cand, _ = _best_knobs(ctx, c.structure, cuts, uneven=True)
+            if cand is not None:
+                out.append(cand)
+    return out, runs
+
+
+def _cut_proposals(ctx: _Ctx, c: Candidate) -> list[tuple[int, ...]]:
+    s = c.structure
+    chunks, n = s.pp * s.virtual_stages, len(ctx.workload.layers)
+    if math.comb(n - 1, chunks - 1) <= ctx.options.exhaustive_cuts:
+        return [tuple(b - a for a, b in zip((0, *inner), (*inner, n)))
+                for inner in itertools.combinations(range(1, n), chunks - 1)]
+    if s.virtual_stages != 1:
+        return []
+    proposal = propose_cuts(
+        layers=ctx.workload.layers, pp=s.pp, num_microbatches=s.num_microbatches,
+        inflight=_inflight(s.schedule, s.pp, s.num_microbatches),
+        memory_limit_gb=_memory_limit_gb(ctx.cluster),
+        price=lambda cuts: _price_or_raise(ctx, s, c.knobs, cuts),
+    )
+    return [] if proposal is None else [proposal.stage_layers]
+
+
+def _price_or_raise(ctx: _Ctx, s: sp.Structure, k: sp.Knobs, cuts: tuple[int, ...]):
+    est = ctx.price(s, k, cuts)
+    if est is None:
+        raise ConfigError(f"the step model refused cuts {cuts}")
+    return est
+
+
+def search(
+    *,
+    workload: Any,
+    cluster: Any,
+    global_batch: int,
+    estimate: Estimator | None = None,
+    options: sp.SearchOptions | None = None,
+    fix: Mapping[str, Any] | str | None = None,
+    time_limit_s: float | None = None,
+    progress: Progress | None = None,
+    config_type: Any = None,
+) -> SearchResult:
+    """The best configuration for ``workload`` on ``cluster`` under the step model ``estimate``
+    (``costmodel.step.estimate_step`` by default; tests pass stand-ins with their own ``config_type``)."""
+    if estimate is None:
+        from costmodel.step import estimate_step as estimate
+    options = options or sp.SearchOptions()
+    fixed = sp.parse_fix(fix)
+    t0 = time.perf_counter()
+    deadline = None if time_limit_s is None else t0 + max(0.0, float(time_limit_s))
+    ctx = _Ctx(workload=workload, cluster=cluster, global_batch=int(global_batch), estimate=estimate,
+               options=options, fix=fixed, deadline=deadline, progress=progress, config_type=config_type)
+    dims = sp.ModelDimsLite(heads=workload.heads, kv_heads=workload.kv_heads, layers=workload.num_layers,
+                            seq=workload.seq, experts=workload.experts)
+    structures = sp.enumerate_structures(dims=dims, num_devices=cluster.num_devices,
+                                         gpus_per_node=cluster.gpus_per_node, global_batch=int(global_batch),
+                                         options=options, fix=fixed)
+    if not structures:
+        raise _no_structure_error(ctx, dims)
+    ideal = _ideal_step_s(workload, cluster, global_batch)
+    bounds = {s: sp.step_time_lower_bound_s(s, ideal_step_s=ideal) for s in structures}
+    structures.sort(key=lambda s: (bounds[s], s))
+    t1 = time.perf_counter()
+    best, fitting, misses, explored, status, bound = _screen(ctx, structures, bounds)
+    t2 = time.perf_counter()
+    ranked = sorted(fitting, key=Candidate.key)
+    improved, dp_runs = _stage_dp(ctx, ranked, misses)
+    t3 = time.perf_counter()
+    pool = sorted(ranked + improved, key=Candidate.key)
+    if not pool:
+        raise _infeasible_error(ctx, workload, cluster)
+    best = pool[0]
+    if status == "optimal":
+        bound = best.step_time_s
+    if ctx.expired() and status == "optimal" and len(improved) < dp_runs:
+        status = "feasible"
+    alternatives = _alternatives(pool, best, options.num_alternatives)
+    return SearchResult(
+        best=best, alternatives=alternatives, status=status, bound_s=min(bound, best.step_time_s),
+        candidates_explored=explored, evaluations=ctx.evaluations,
+        time_per_phase_s={"enumerate": t1 - t0, "screen": t2 - t1, "stage_dp": t3 - t2},
+    )
+
+
+def _alternatives(pool: Sequence[Candidate], best: Candidate, n: int) -> list[Candidate]:
+    """The next-best distinct structures (one entry per structure: its best knobs and cuts)."""
+    seen = {best.structure}
+    out = []
+    for c in pool:
+        if c.structure in seen:
+            continue
+        seen.add(c.structure)
+        out.append(c)
+        if len(out) == n:
+            break
+    return out
+
+
+def _no_structure_error(ctx: _Ctx, dims: sp.ModelDimsLite) -> AutoparError:
+    n = ctx.cluster.num_devices
+    relaxed = sp.enumerate_structures(dims=dims, num_devices=n, gpus_per_node=ctx.cluster.gpus_per_node,
+                                      global_batch=math.prod(range(1, 13)) * 2**10, options=ctx.options, fix=ctx.fix)
+    dps = sorted({s.dp for s in relaxed})
+    if dps:
+        near = sp.nearest_valid_batches(global_batch=ctx.global_batch, dps=dps)
+        what = f" with --fix {ctx.fix}" if ctx.fix else ""
+        return ConfigError(
+            f"global_batch={ctx.global_batch} is not divisible by any data-parallel degree that {n} devices "
+            f"allow{what} (dp in {dps}); nearest valid global batches: {near}"
+        )
+    return ConfigError(
+        f"no parallel configuration of {n} devices matches the model (heads={dims.heads}, "
+        f"kv_heads={dims.kv_heads}, layers={dims.layers}) and --fix {ctx.fix}: tp must be a power of two "
+        f"dividing heads and kv heads within a node of {ctx.cluster.gpus_per_node}; relax --fix"
+    )
+
+
+def _infeasible_error(ctx: _Ctx, workload: Any, cluster: Any) -> InfeasiblePlanError:
+    need = ctx.least_infeasible_gb
+    have = _memory_limit_gb(cluster)
+    if not math.isfinite(need):
+        return InfeasiblePlanError(
+            f"the step model accepted no configuration of {workload.name} on {cluster.num_devices} devices"
+        )
+    factor = need / have if have > 0 else math.inf
+    more = int(math.ceil(cluster.num_devices * factor))
+    return InfeasiblePlanError(
+        f"{workload.name} ({workload.params / 1e9:.1f}B parameters) does not fit on {cluster.num_devices} "
+        f"x {have:.0f} GB devices in any configuration tried: the leanest needs {need:.1f} GB per device "
+        f"(ZeRO-3, full recompute, sequence parallel, micro-batch 1 included). To fit: about {more} or more "
+        f"devices, devices with >= {need:.0f} GB, a shorter sequence, or a smaller global batch"
+        + (f"; or relax --fix {ctx.fix}" if ctx.fix else "")
+    )

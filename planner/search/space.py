@@ -1,0 +1,286 @@
+"""The search space: which parallel configurations exist for a model on a cluster, and how to prune them.
+
+A configuration is split in two:
+
+- ``Structure``: tp, cp, ep, pp, dp, micro-batch size, schedule, virtual stages: what the devices are and
+  how the batch flows. Validity is decided here from divisibility (tp a power of two within a node dividing
+  heads and kv heads; cp a power of two with ``2 cp`` dividing the sequence, for the load-balanced causal split;
+  ep dividing experts and dp; pp at most the number of layers, uneven cuts allowed; dp dividing the global
+  batch; the micro-batch size dividing ``global_batch / dp``; the schedule's constraints on micro-batch counts).
+- ``Knobs``: recompute none/selective/full, ZeRO stage 0-3, sequence parallel: memory-for-time trades that
+  the driver decides per structure by a dominance ladder (``driver._best_knobs``).
+
+Pruning rules, each a dominance argument that ``tests/test_search.py`` checks against the cost model:
+
+- GPipe is only enumerated when ``m < pp`` (where 1F1B cannot run): elsewhere 1F1B has the same bubble and
+  holds ``min(m, pp - r)`` micro-batches instead of ``m`` (FORMULAS.md "Pipeline schedules").
+- Sequence parallel is on whenever ``tp > 1``: it moves the same bytes as plain tp (all-gather +
+  reduce-scatter instead of all-reduce) and divides norm/dropout work and activations by tp.
+- With ``pp == 1`` the schedule and virtual stages are moot: one structure with ``1f1b`` and ``v = 1``.
+- ``step_time_lower_bound_s``: perfect compute at peak, stretched by the schedule's bubble; a structure whose
+  bound is above the best plan found cannot win.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+from costmodel.errors import ConfigError
+
+RECOMPUTE_ORDER = ("none", "selective", "full")
+ZERO_STAGES = (0, 1, 2, 3)
+
+_FIX_ALIASES = {
+    "tp": "tp", "cp": "cp", "ep": "ep", "pp": "pp", "dp": "dp",
+    "mb": "microbatch", "microbatch": "microbatch", "micro_batch": "microbatch",
+    "schedule": "schedule", "v": "virtual_stages", "virtual_stages": "virtual_stages",
+    "recompute": "recompute", "zero": "zero_stage", "zero_stage": "zero_stage",
+    "sp": "sequence_parallel", "sequence_parallel": "sequence_parallel",
+}
+_INT_KEYS = ("tp", "cp", "ep", "pp", "dp", "microbatch", "virtual_stages", "zero_stage")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SearchOptions:
+    max_microbatch: int = 16
+    max_cp: int = 8
+    max_virtual_stages: int = 8
+    schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+    zero_bubble_virtual_stages: tuple[int, ...] = (1,)
+    recompute: tuple[str, ...] = RECOMPUTE_ORDER
+    zero_stages: tuple[int, ...] = ZERO_STAGES
+    uneven_stages: bool = True
+    """Run the stage DP for uneven layer cuts (embedding and LM head weigh in)."""
+    dp_top_k: int = 16
+    """Stage DP for at most this many of the best pipelined structures."""
+    dp_margin: float = 0.25
+    """... among those within this fraction of the best even-split step time."""
+    exhaustive_cuts: int = 64
+    """Price every cut of the layer sequence when there are at most this many (small models), else the DP."""
+    num_alternatives: int = 5
+    memory_headroom: float = 1.0
+    """Fraction of device memory a plan may use (the cost model's ``fits``); 1.0 = the cost model's own."""
+    exhaustive_knobs: bool = False
+    """Evaluate every knob combination instead of the dominance ladder (for tests)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True, order=True)
+class Structure:
+    tp: int
+    cp: int
+    ep: int
+    pp: int
+    dp: int
+    microbatch: int
+    schedule: str
+    virtual_stages: int
+    num_microbatches: int
+
+    def summary(self) -> str:
+        sched = self.schedule if self.virtual_stages == 1 else f"{self.schedule} v={self.virtual_stages}"
+        par = f"tp={self.tp} pp={self.pp} dp={self.dp}"
+        if self.cp > 1:
+            par += f" cp={self.cp}"
+        if self.ep > 1:
+            par += f" ep={self.ep}"
+        return f"{par} mb={self.microbatch} m={self.num_microbatches} {sched}"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True, order=True)
+class Knobs:
+    recompute: str = "none"
+    zero_stage: int = 0
+    sequence_parallel: bool = False
+
+    def summary(self) -> str:
+        return f"recompute={self.recompute} zero={self.zero_stage}" + (" sp" if self.sequence_parallel else "")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelDimsLite:
+    """The dimensions the space depends on (taken from a Workload)."""
+
+    heads: int
+    kv_heads: int
+    layers: int
+    seq: int
+    experts: int = 0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SpaceStats:
+    structures: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)
+
+
+def parse_fix(fix: Mapping[str, Any] | str | None) -> dict[str, Any]:
+    """``{"tp": 8, "mb": 2}`` or ``"tp=8,mb=2"`` -> canonical keys; unknown keys -> ConfigError."""
+    if fix is None:
+        return {}
+    items: Iterable[tuple[str, Any]]
+    if isinstance(fix, str):
+        pairs = [p.strip() for p in fix.split(",") if p.strip()]
+        bad = [p for p in pairs if "=" not in p]
+        if bad:
+            raise ConfigError(f"--fix entries must be key=value, got {bad!r}; e.g. --fix tp=8,pp=4")
+        items = [tuple(p.split("=", 1)) for p in pairs]  # type: ignore[misc]
+    else:
+        items = fix.items()
+    out: dict[str, Any] = {}
+    for key, value in items:
+        k = _FIX_ALIASES.get(str(key).strip().lower())
+        if k is None:
+            raise ConfigError(f"cannot fix {key!r}: known keys are {sorted(set(_FIX_ALIASES))}")
+        out[k] = _fix_value(k, value)
+    return out
+
+
+def _fix_value(key: str, value: Any) -> Any:
+    if key in _INT_KEYS:
+        try:
+            v = int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"fix {key}={value!r}: expected an integer") from None
+        if v < (0 if key == "zero_stage" else 1):
+            raise ConfigError(f"fix {key}={v}: must be >= {0 if key == 'zero_stage' else 1}")
+        return v
+    if key == "sequence_parallel":
+        s = str(value).strip().lower()
+        if s in ("1", "true", "yes", "on"):
+            return True
+        if s in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"fix sp={value!r}: expected true or false")
+    v = str(value).strip().lower()
+    allowed = RECOMPUTE_ORDER if key == "recompute" else ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+    if v not in allowed:
+        raise ConfigError(f"fix {key}={value!r}: choose one of {allowed}")
+    return v
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _pow2_upto(n: int) -> list[int]:
+    out, k = [], 1
+    while k <= n:
+        out.append(k)
+        k *= 2
+    return out
+
+
+def tp_choices(dims: ModelDimsLite, *, gpus_per_node: int) -> list[int]:
+    return [t for t in _pow2_upto(gpus_per_node) if dims.heads % t == 0 and dims.kv_heads % t == 0]
+
+
+def cp_choices(dims: ModelDimsLite, *, options: SearchOptions) -> list[int]:
+    return [c for c in _pow2_upto(options.max_cp) if c == 1 or dims.seq % (2 * c) == 0]
+
+
+def ep_choices(dims: ModelDimsLite, *, dp: int) -> list[int]:
+    if dims.experts <= 1:
+        return [1]
+    return [e for e in divisors(dp) if dims.experts % e == 0]
+
+
+def _schedules(*, pp: int, m: int, layers: int, options: SearchOptions) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [("1f1b", 1)]
+    out: list[tuple[str, int]] = []
+    if "gpipe" in options.schedules and m < pp:
+        out.append(("gpipe", 1))
+    if "1f1b" in options.schedules and m >= pp:
+        out.append(("1f1b", 1))
+    if m % pp == 0:
+        if "interleaved-1f1b" in options.schedules:
+            for v in range(2, options.max_virtual_stages + 1):
+                if pp * v <= layers:
+                    out.append(("interleaved-1f1b", v))
+        if "zero-bubble" in options.schedules:
+            out.extend(("zero-bubble", v) for v in options.zero_bubble_virtual_stages if pp * v <= layers)
+    return out
+
+
+def enumerate_structures(
+    *,
+    dims: ModelDimsLite,
+    num_devices: int,
+    gpus_per_node: int,
+    global_batch: int,
+    options: SearchOptions,
+    fix: Mapping[str, Any] | None = None,
+) -> list[Structure]:
+    """Every valid structure, sorted (deterministic); ``fix`` pins any field."""
+    fix = dict(fix or {})
+    if global_batch < 1:
+        raise ConfigError(f"global_batch={global_batch} must be >= 1")
+    out: list[Structure] = []
+
+    def pinned(key: str, values: Iterable[Any]) -> list[Any]:
+        vals = list(values)
+        return [fix[key]] if key in fix and fix[key] in vals else ([] if key in fix else vals)
+
+    for tp in pinned("tp", tp_choices(dims, gpus_per_node=gpus_per_node)):
+        for cp in pinned("cp", cp_choices(dims, options=options)):
+            rest = num_devices // (tp * cp) if num_devices % (tp * cp) == 0 else 0
+            for pp in pinned("pp", [p for p in divisors(rest) if p <= dims.layers] if rest else []):
+                dp = rest // pp
+                if global_batch % dp or ("dp" in fix and fix["dp"] != dp):
+                    continue
+                for ep in pinned("ep", ep_choices(dims, dp=dp)):
+                    per_dp = global_batch // dp
+                    mbs = [b for b in divisors(per_dp) if b <= options.max_microbatch]
+                    for mb in pinned("microbatch", mbs):
+                        m = per_dp // mb
+                        for sched, v in _schedules(pp=pp, m=m, layers=dims.layers, options=options):
+                            if fix.get("schedule", sched) != sched or fix.get("virtual_stages", v) != v:
+                                continue
+                            out.append(Structure(tp=tp, cp=cp, ep=ep, pp=pp, dp=dp, microbatch=mb, schedule=sched,
+                                                 virtual_stages=v, num_microbatches=m))
+    out.sort()
+    return out
+
+
+def knob_choices(structure: Structure, *, options: SearchOptions, fix: Mapping[str, Any] | None = None) -> list[Knobs]:
+    """Knob combinations for a structure, in ladder order (fastest recompute first)."""
+    fix = dict(fix or {})
+    rec = [r for r in options.recompute if fix.get("recompute", r) == r]
+    zeros = [z for z in options.zero_stages if fix.get("zero_stage", z) == z]
+    if "sequence_parallel" in fix:
+        sps = [fix["sequence_parallel"]] if (structure.tp > 1 or not fix["sequence_parallel"]) else []
+    elif options.exhaustive_knobs and structure.tp > 1:
+        sps = [False, True]
+    else:
+        sps = [structure.tp > 1]
+    return [Knobs(recompute=r, zero_stage=z, sequence_parallel=s) for r in rec for z in zeros for s in sps]
+
+
+def bubble_factor(structure: Structure) -> float:
+    """Pipeline time over busy time for equal stages: 1 + (p - 1)/(v m) (GPipe/1F1B v = 1, SC21 interleaving)."""
+    if structure.pp == 1 or structure.schedule == "zero-bubble":
+        return 1.0
+    return 1.0 + (structure.pp - 1) / (structure.virtual_stages * structure.num_microbatches)
+
+
+def step_time_lower_bound_s(structure: Structure, *, ideal_step_s: float) -> float:
+    """A bound no plan of this structure can beat: all FLOPs at peak on every device, plus the bubble.
+
+    ``ideal_step_s`` = model FLOPs per step / (devices * peak FLOP/s). Unequal stages only lengthen the
+    pipeline (``sum_s T_s + (m - 1) max_s T_s >= (m + p - 1) * mean_s T_s``), recomputation and
+    communication only add. Zero-bubble schedules get no bubble credit (their bubble can vanish).
+    """
+    return ideal_step_s * bubble_factor(structure)
+
+
+def nearest_valid_batches(*, global_batch: int, dps: Iterable[int], count: int = 4) -> list[int]:
+    """The valid global batches closest to ``global_batch``: multiples of some data-parallel degree."""
+    dps = sorted(set(d for d in dps if d >= 1))
+    if not dps:
+        return []
+    cands: set[int] = set()
+    for d in dps:
+        lo = (global_batch // d) * d
+        cands.update(x for x in (lo, lo + d) if x >= 1)
+    return sorted(cands, key=lambda x: (abs(x - global_batch), x))[:count]

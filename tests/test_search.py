@@ -1,0 +1,93 @@
+"""Planner search: equals brute force over the whole space on small instances; fix; errors; determinism."""
+
+import functools
+import itertools
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _toy_step import ToyConfig, toy_estimate, toy_workload  # noqa: E402
+
+from costmodel.errors import ConfigError, InfeasiblePlanError  # noqa: E402
+from costmodel.profiles import make_cluster  # noqa: E402
+from planner.search import driver  # noqa: E402
+from planner.search import space as sp  # noqa: E402
+
+
+def _pow2(n):
+    return n > 0 and n & (n - 1) == 0
+
+
+def brute_force(workload, cluster, global_batch, estimate, *, max_mb=16, max_cp=8, max_v=8, zeros=(0, 1, 2, 3),
+                schedules=("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")):
+    """Every configuration and every cut, written from the rules, not from planner.search.space."""
+    N, gpn, L = cluster.num_devices, cluster.gpus_per_node, len(workload.layers)
+    best = None
+    for tp, cp, pp in itertools.product(range(1, N + 1), repeat=3):
+        if N % (tp * cp * pp) or not _pow2(tp) or tp > gpn or workload.heads % tp or not _pow2(cp) or cp > max_cp:
+            continue
+        if cp > 1 and workload.seq % (2 * cp) or pp > workload.num_layers:
+            continue
+        dp = N // (tp * cp * pp)
+        if global_batch % dp:
+            continue
+        for mb in range(1, min(max_mb, global_batch // dp) + 1):
+            if (global_batch // dp) % mb:
+                continue
+            m = global_batch // dp // mb
+            scheds = [("1f1b", 1)] if pp == 1 else (
+                [("gpipe", 1)] + ([("1f1b", 1)] if m >= pp else [])
+                + ([("interleaved-1f1b", v) for v in range(2, max_v + 1) if pp * v <= workload.num_layers]
+                   + [("zero-bubble", 1)] if m % pp == 0 else []))
+            for (sched, v), rec, z, spar in itertools.product(
+                    scheds, ("none", "selective", "full"), zeros, (False, True)):
+                if spar and tp == 1 or sched not in schedules and pp > 1:
+                    continue
+                chunks = pp * v
+                for inner in itertools.combinations(range(1, L), chunks - 1):
+                    cuts = tuple(b - a for a, b in zip((0, *inner), (*inner, L)))
+                    s = sp.Structure(tp=tp, cp=cp, ep=1, pp=pp, dp=dp, microbatch=mb, schedule=sched,
+                                     virtual_stages=v, num_microbatches=m)
+                    cfg = driver.make_config(s, sp.Knobs(recompute=rec, zero_stage=z, sequence_parallel=spar),
+                                             global_batch=global_batch, config_type=ToyConfig)
+                    try:
+                        est = estimate(workload, cfg, cluster, stage_layers=cuts)
+                    except ConfigError:
+                        continue
+                    if est.fits and (best is None or est.step_time_s < best[0]):
+                        best = (est.step_time_s, s, rec, z, spar, cuts)
+    return best
+
+
+CASES = [
+    # (layers, hidden, heads, nodes, gpus_per_node, global_batch, mem_gb, zero stages, schedules, exhaustive cuts)
+    (4, 256, 8, 1, 4, 8, 0.05, (0, 1, 2, 3), sp.SearchOptions().schedules, 10**6),  # ZeRO wins, pp = 1
+    (6, 512, 8, 1, 8, 16, 0.05, (0,), sp.SearchOptions().schedules, 10**6),  # interleaved pipeline wins
+    (6, 512, 8, 1, 8, 16, 0.05, (0,), ("gpipe", "1f1b"), 0),  # uneven cuts from the stage DP, not enumerated
+    (5, 512, 4, 2, 2, 8, 0.03, (0, 3), sp.SearchOptions().schedules, 10**6),  # fits nowhere
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_search_equals_brute_force_with_toy_model(case):
+    layers, hidden, heads, nodes, gpn, gb, mem, zeros, schedules, ex_cuts = case
+    wl = toy_workload(layers=layers, hidden=hidden, heads=heads, vocab=1000, seq=256)
+    cl = make_cluster("dgx-a100-80gb", nodes, gpus_per_node=gpn)
+    est = functools.partial(toy_estimate, mem_gb=mem)
+    ref = brute_force(wl, cl, gb, est, zeros=zeros, schedules=schedules)
+    opts = sp.SearchOptions(dp_margin=math.inf, dp_top_k=10**6, exhaustive_cuts=ex_cuts, zero_stages=zeros,
+                            schedules=schedules)
+    if ref is None:
+        with pytest.raises(InfeasiblePlanError, match="GB per device"):
+            driver.search(workload=wl, cluster=cl, global_batch=gb, estimate=est, options=opts, config_type=ToyConfig)
+        return
+    res = driver.search(workload=wl, cluster=cl, global_batch=gb, estimate=est, options=opts, config_type=ToyConfig)
+    assert res.best.fits
+    assert res.best.step_time_s == pytest.approx(ref[0], rel=1e-12), (res.best.summary(), ref)
+    assert res.status == "optimal" and res.bound_s == pytest.approx(res.best.step_time_s)
+    if layers == 6:
+        assert res.best.structure.pp > 1  # the case must exercise pipelining
