@@ -23,7 +23,14 @@ from planner.search.intra_op import (
 # --- random instances vs brute force ------------------------------------------------------------------------
 
 
-def random_problem(rng: random.Random, *, n: int, dag: bool, budget_frac: float | None) -> ShardingProblem:
+def _edge_cost(rng: random.Random, k: int, l: int, forbid: bool) -> float:
+    if forbid and (k, l) != (0, 0) and rng.random() < 0.25:
+        return math.inf  # a forbidden layout pair; strategy 0 everywhere (replicate) stays feasible
+    return rng.choice([0.0, rng.random() * 2e-3])
+
+
+def random_problem(rng: random.Random, *, n: int, dag: bool, budget_frac: float | None,
+                   forbid: bool = False) -> ShardingProblem:
     ks = [rng.randint(2, 4) for _ in range(n)]
     pairs = [(i, i + 1) for i in range(n - 1)]
     if dag:  # extra forward edges (skip connections, fan-out) on top of the chain
@@ -41,7 +48,7 @@ def random_problem(rng: random.Random, *, n: int, dag: bool, budget_frac: float 
         memory_bytes=mem,
         edges=tuple(
             ShardingEdge(src=a, dst=b, cost_s=tuple(
-                tuple(rng.choice([0.0, rng.random() * 2e-3]) for _ in range(ks[b])) for _ in range(ks[a])))
+                tuple(_edge_cost(rng, k, l, forbid) for l in range(ks[b])) for k in range(ks[a])))
             for a, b in pairs
         ),
         memory_budget_bytes=math.inf if budget_frac is None else lo + (hi - lo) * budget_frac,
@@ -64,8 +71,12 @@ def test_ilp_matches_brute_force(dag: bool, backend: str) -> None:
     rng = random.Random(17 + dag)
     for trial in range(12):
         budget = None if trial % 3 == 0 else rng.uniform(0.05, 0.7)
-        p = random_problem(rng, n=rng.randint(6, 9), dag=dag, budget_frac=budget)
+        p = random_problem(rng, n=rng.randint(6, 9), dag=dag, budget_frac=budget, forbid=trial % 2 == 1)
         best, _ = brute_force(p)
+        if math.isinf(best):  # the budget and the forbidden pairs leave nothing: the solver must say so
+            with pytest.raises(InfeasiblePlanError):
+                solve(p, SolverOptions(backend=backend))
+            continue
         sol = solve(p, SolverOptions(backend=backend, time_limit_s=30))
         assert sol.status == "optimal"
         assert abs(sol.objective - best) <= 1e-9, (trial, sol.objective, best)

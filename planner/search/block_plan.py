@@ -19,7 +19,16 @@ from typing import Any, Callable, Sequence
 from costmodel.errors import ConfigError
 from planner.plan import ModuleSharding
 from planner.search import intra_op
-from planner.search.strategies import Collective, LayerOp, MeshShape, OpStrategy, candidates, conversion, dual
+from planner.search.strategies import (
+    Collective,
+    LayerOp,
+    MeshShape,
+    OpStrategy,
+    candidates,
+    conversion,
+    dual,
+    forward_conversion,
+)
 
 log = logging.getLogger(__name__)
 
@@ -85,22 +94,26 @@ def _cost_strategy(op: LayerOp, s: OpStrategy, *, ctx: CostContext, mesh: MeshSh
 
 
 def edge_collectives(src: OpStrategy, dst: OpStrategy, index: int, nbytes: float) -> tuple[
-        tuple[Collective, ...], tuple[Collective, ...]]:
-    """Forward conversion of the producer's output into the consumer's input ``index``, and the backward
-    conversion of the consumer's input gradient into the gradient layout the producer needs."""
-    fwd = conversion(src.out_layout, dst.in_layouts[index], nbytes)
+        tuple[Collective, ...] | None, tuple[Collective, ...]]:
+    """Forward conversion of the producer's output into the consumer's input ``index`` (None: not
+    executable), and the backward conversion of the consumer's input gradient into the producer's layout."""
+    fwd = forward_conversion(src.out_layout, dst.in_layouts[index], nbytes)
     bwd = conversion(dst.grad_layouts[index], dual(src.out_layout), nbytes)
     return fwd, bwd
 
 
-def _edge_time_s(ctx: CostContext, fwd: Sequence[Collective], bwd: Sequence[Collective], recompute: str) -> float:
-    """A forward conversion runs again when full recomputation replays the block's forward."""
+def _edge_time_s(ctx: CostContext, fwd: Sequence[Collective] | None, bwd: Sequence[Collective],
+                 recompute: str) -> float:
+    """A forward conversion runs again when full recomputation replays the block's forward; inf forbids."""
+    if fwd is None:
+        return math.inf
     again = 2.0 if recompute == "full" else 1.0
     return again * _collectives_time_s(ctx, fwd) + _collectives_time_s(ctx, bwd)
 
 
 def _boundary_collectives(src: OpStrategy, dst: OpStrategy, nbytes: float):
-    return conversion(src.out_layout, dst.out_layout, nbytes), conversion(dst.out_layout, src.out_layout, nbytes)
+    return (forward_conversion(src.out_layout, dst.out_layout, nbytes),
+            conversion(dst.out_layout, src.out_layout, nbytes))
 
 
 def block_problem(ops: Sequence[LayerOp], *, mesh: MeshShape, ctx: CostContext, recompute: str = "none",

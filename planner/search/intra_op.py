@@ -10,7 +10,8 @@ Data
     ``m_{i,k}`` (bytes per device: its parameter shard, gradients, optimizer state and stored activations);
     directed edges ``(i, j) in E`` with a resharding time ``r_{ij,k,l} >= 0`` (seconds) for converting the
     layout produced by ``i`` under ``k`` into the layout op ``j`` needs under ``l`` (forward conversion plus
-    its backward dual); a memory budget ``M`` (bytes).
+    its backward dual), ``r = +inf`` where no conversion exists (a forbidden pair ``F``); a memory budget
+    ``M`` (bytes).
 
 Variables
     ``s_{i,k} in {0, 1}``          op ``i`` uses strategy ``k``;
@@ -27,6 +28,8 @@ Constraints
                          -- ``_add_edge_consistency_constraints``
     (memory budget)      ``sum_i sum_k m_{i,k} s_{i,k} <= M``
                          -- ``_add_memory_constraint``
+    (forbidden pairs)    ``e_{ij,k,l} = 0``                                  for ``(i, j, k, l) in F``
+                         -- ``_add_edge_variables`` (upper bound 0)
 
 Objective
     ``min  sum_i sum_k c_{i,k} s_{i,k} + sum_{(i,j) in E} sum_{k,l} r_{ij,k,l} e_{ij,k,l}``
@@ -36,7 +39,8 @@ Reductions before the model is built (exact): an edge whose matrix is all zero i
 single-strategy endpoint is folded into the other endpoint's cost vector.
 
 The memory constraint is separable, so ``M < sum_i min_k m_{i,k}`` is detected before solving and raised
-as ``InfeasiblePlanError`` naming that minimum. The model is warm-started (``SetHint``) from a greedy plan
+as ``InfeasiblePlanError`` naming that minimum; an instance whose forbidden pairs leave no assignment is
+reported the same way by the solver's status. The model is warm-started (``SetHint``) from a greedy plan
 (``greedy_choice``); if the time limit expires before the solver finds any solution the greedy plan is
 returned with status ``"greedy"``.
 """
@@ -66,7 +70,7 @@ class ShardingEdge:
     dst: int
     cost_s: tuple[tuple[float, ...], ...]
     """``cost_s[k][l]``: seconds to convert ``src``'s layout under its strategy ``k`` to what ``dst`` needs under
-    its strategy ``l`` (forward conversion + backward dual)."""
+    its strategy ``l`` (forward conversion + backward dual); ``math.inf`` forbids the pair."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -174,8 +178,8 @@ def validate_problem(problem: ShardingProblem) -> None:
         ks, kd = len(problem.strategy_names[e.src]), len(problem.strategy_names[e.dst])
         if len(e.cost_s) != ks or any(len(row) != kd for row in e.cost_s):
             raise ConfigError(f"edge {e.src}->{e.dst}: cost matrix must be {ks} x {kd}")
-        if any(not math.isfinite(v) or v < 0 for row in e.cost_s for v in row):
-            raise ConfigError(f"edge {e.src}->{e.dst}: resharding costs must be finite and >= 0")
+        if any(math.isnan(v) or v < 0 for row in e.cost_s for v in row):
+            raise ConfigError(f"edge {e.src}->{e.dst}: resharding costs must be >= 0 (math.inf forbids a pair)")
     if math.isnan(problem.memory_budget_bytes) or problem.memory_budget_bytes < 0:
         raise ConfigError(f"memory_budget_bytes={problem.memory_budget_bytes} must be >= 0")
 
@@ -184,8 +188,9 @@ def validate_problem(problem: ShardingProblem) -> None:
 
 
 def greedy_choice(problem: ShardingProblem) -> tuple[int, ...]:
-    """A feasible assignment: ops in the given order pick their cheapest strategy given the already chosen
-    neighbours; then, while over the memory budget, the switch saving memory at the least time per byte."""
+    """An assignment: ops in the given order pick their cheapest strategy given the already chosen neighbours;
+    then, while over the memory budget, the switch saving memory at the least time per byte. It is feasible
+    unless forbidden pairs trap it (``evaluate`` is then ``inf``)."""
     n = problem.num_ops
     nbrs: list[list[ShardingEdge]] = [[] for _ in range(n)]
     for e in problem.edges:
@@ -211,6 +216,8 @@ def _repair_memory(problem: ShardingProblem, choice: list[int]) -> list[int]:
     budget = problem.memory_budget_bytes
     while memory_of(problem, choice) > budget:
         base = evaluate(problem, choice)
+        if math.isinf(base):  # a forbidden pair already: the greedy plan is no warm start
+            break
         best: tuple[float, int, int] | None = None
         for i, k0 in enumerate(choice):
             for k, m in enumerate(problem.memory_bytes[i]):
@@ -219,7 +226,10 @@ def _repair_memory(problem: ShardingProblem, choice: list[int]) -> list[int]:
                     continue
                 trial = choice.copy()
                 trial[i] = k
-                ratio = (evaluate(problem, trial) - base) / saved
+                extra = evaluate(problem, trial) - base
+                if math.isinf(extra):
+                    continue
+                ratio = extra / saved
                 if best is None or ratio < best[0]:
                     best = (ratio, i, k)
         if best is None:  # every op already at its minimum memory
@@ -288,11 +298,20 @@ def _add_strategy_variables(solver, problem: ShardingProblem) -> list[list]:
 
 
 def _add_edge_variables(solver, edges: Sequence[ShardingEdge]) -> list[list[list]]:
-    """e_{ij,k,l} in [0,1] (integral through the consistency constraints)."""
+    """e_{ij,k,l} in [0,1] (integral through the consistency constraints); forbidden pairs get bound 0."""
     return [
-        [[solver.NumVar(0.0, 1.0, f"e_{n}_{k}_{l}") for l in range(len(e.cost_s[0]))] for k in range(len(e.cost_s))]
+        [[solver.NumVar(0.0, 0.0 if math.isinf(v) else 1.0, f"e_{n}_{k}_{l}") for l, v in enumerate(row)]
+         for k, row in enumerate(e.cost_s)]
         for n, e in enumerate(edges)
     ]
+
+
+def _forbid_strategies(s, reduced: "_Reduced") -> None:
+    """A strategy whose folded cost is inf (a forbidden pair with a single-strategy neighbour) is fixed to 0."""
+    for i, row in enumerate(s):
+        for k, var in enumerate(row):
+            if math.isinf(reduced.op_cost_s[i][k]):
+                var.SetUb(0.0)
 
 
 def _add_one_strategy_constraints(solver, s: list[list]) -> None:
@@ -333,11 +352,12 @@ def _set_objective(solver, s, e, reduced: _Reduced, scale: float) -> None:
     obj = solver.Objective()
     for i, row in enumerate(s):
         for k, var in enumerate(row):
-            obj.SetCoefficient(var, reduced.op_cost_s[i][k] * scale)
+            if not math.isinf(reduced.op_cost_s[i][k]):
+                obj.SetCoefficient(var, reduced.op_cost_s[i][k] * scale)
     for n, edge in enumerate(reduced.edges):
         for k, row in enumerate(edge.cost_s):
             for l, v in enumerate(row):
-                if v:
+                if v and not math.isinf(v):
                     obj.SetCoefficient(e[n][k][l], v * scale)
     obj.SetMinimization()
 
@@ -345,7 +365,8 @@ def _set_objective(solver, s, e, reduced: _Reduced, scale: float) -> None:
 def _objective_scale(reduced: _Reduced) -> float:
     """Costs are seconds (1e-6..1e-1); MIP tolerances are absolute, so the largest coefficient becomes 1e6."""
     largest = max(
-        [v for row in reduced.op_cost_s for v in row] + [v for e in reduced.edges for r in e.cost_s for v in r]
+        [v for row in reduced.op_cost_s for v in row if not math.isinf(v)]
+        + [v for e in reduced.edges for r in e.cost_s for v in r if not math.isinf(v)]
     )
     return 1e6 / largest if largest > 0 else 1.0
 
@@ -366,12 +387,13 @@ def solve(problem: ShardingProblem, options: SolverOptions | None = None) -> Sha
     solver = _create_solver(options)
     s = _add_strategy_variables(solver, problem)
     e = _add_edge_variables(solver, reduced.edges)
+    _forbid_strategies(s, reduced)
     _add_one_strategy_constraints(solver, s)
     _add_edge_consistency_constraints(solver, s, e, reduced.edges)
     _add_memory_constraint(solver, s, problem)
     scale = _objective_scale(reduced)
     _set_objective(solver, s, e, reduced, scale)
-    if options.warm_start and options.backend != "HIGHS":  # SetHint crashes the HiGHS interface (9.15)
+    if options.warm_start and options.backend != "HIGHS" and not math.isinf(evaluate(problem, greedy)):  # SetHint crashes the HiGHS interface (9.15)
         flat = [var for row in s for var in row]
         solver.SetHint(flat, [1.0 if greedy[i] == k else 0.0 for i, row in enumerate(s) for k in range(len(row))])
     status = _run(solver, options)
@@ -405,13 +427,18 @@ def _solution(problem, solver, s, *, status: int, greedy, scale: float, start: f
         choice = tuple(max(range(len(row)), key=lambda k: row[k].solution_value()) for row in s)
         label: SolveStatus = "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible"
         bound = solver.Objective().BestBound() / scale
-    elif status == pywraplp.Solver.NOT_SOLVED:  # time limit before any solution: the greedy plan
-        choice, label, bound = greedy, "greedy", 0.0
-    else:
-        # The pre-check proved a feasible assignment exists (the greedy one), so this is a solver failure.
+    elif status == pywraplp.Solver.NOT_SOLVED and not math.isinf(evaluate(problem, greedy)):
+        choice, label, bound = greedy, "greedy", 0.0  # time limit before any solution: the greedy plan
+    elif status == pywraplp.Solver.INFEASIBLE:
         raise InfeasiblePlanError(
-            f"the sharding ILP solver returned status {status} on a feasible problem of {problem.num_ops} ops; "
-            "retry with another SolverOptions.backend"
+            f"no assignment of the {problem.num_ops} ops is layout-consistent within "
+            f"{problem.memory_budget_bytes / 2**30:.3f} GiB (the memory floor is "
+            f"{min_memory_bytes(problem) / 2**30:.3f} GiB): raise the budget or allow more strategies"
+        )
+    else:
+        raise InfeasiblePlanError(
+            f"the sharding ILP solver ({solver.SolverVersion()}) stopped with status {status} and no solution "
+            f"for {problem.num_ops} ops: raise SolverOptions.time_limit_s or choose another backend"
         )
     if memory_of(problem, choice) > problem.memory_budget_bytes * (1 + 1e-9):
         log.warning("solver solution exceeds the memory budget within tolerance; using the greedy plan")
@@ -419,7 +446,7 @@ def _solution(problem, solver, s, *, status: int, greedy, scale: float, start: f
     objective = evaluate(problem, choice)
     if label == "optimal":
         bound = min(bound, objective)
-    if evaluate(problem, greedy) < objective - 1e-15:  # never return worse than the warm start
+    if evaluate(problem, greedy) < objective - 1e-15 and memory_of(problem, greedy) <= problem.memory_budget_bytes:
         choice, objective = greedy, evaluate(problem, greedy)
     bound = min(bound, objective)
     gap = 0.0 if objective <= 0 else max(0.0, (objective - bound) / objective)

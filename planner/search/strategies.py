@@ -30,10 +30,11 @@ entry applied to the op's modules):
     experts    replicate (ep = 1), expert (ep > 1)     experts sharded over the ep axis, all-to-all dispatch
                                                        and combine, forward and backward
 
-Resharding on an edge (``conversion``): S_seq/S_hid -> R all-gather, P -> R all-reduce, P -> S_seq or
-P -> S_hid reduce-scatter, S_seq <-> S_hid all-to-all, R -> S_* a local slice (free). The backward pass
-converts the consumer's input gradient back to the producer's output layout with the same table (the
-gradient of a P output is R), so Megatron's ``f``/``g`` operators appear as edge costs: colwise after a
+Resharding on an edge (``forward_conversion``): S_seq -> R all-gather, P -> R all-reduce, P -> S_seq
+reduce-scatter; other changes (R -> S_* slices, S_hid -> R gathers, S_seq <-> S_hid all-to-all) are not
+expressible by a module style and are forbidden pairs for the ILP. The backward pass converts the
+consumer's input gradient back to the producer's output layout (``conversion``; the gradient of a P output
+is R), so Megatron's ``f``/``g`` operators appear as edge costs: colwise after a
 replicated norm costs one backward all-reduce, with sequence parallelism an all-gather forward and a
 reduce-scatter backward.
 
@@ -132,8 +133,18 @@ def dual(layout: Layout) -> Layout:
     return "R" if layout == "P" else layout
 
 
+EXECUTABLE_CONVERSIONS: frozenset[tuple[Layout, Layout]] = frozenset({
+    ("S_seq", "R"),  # all-gather: ColwiseParallel / PrepareModuleInput with input_layouts=Shard(1)
+    ("P", "R"),  # all-reduce: RowwiseParallel output_layouts=Replicate(); vocab-parallel embedding
+    ("P", "S_seq"),  # reduce-scatter: RowwiseParallel output_layouts=Shard(1) (sequence parallel)
+})
+"""Forward layout changes the module styles perform. Others (a free slice R -> S_*, S_hid -> R) would need
+per-module input/output layouts that a ``ModuleSharding`` (fqn, style) cannot express, so they are forbidden."""
+
+
 def conversion(src: Layout, dst: Layout, nbytes: float) -> tuple[Collective, ...]:
-    """Collectives converting a tensor of ``nbytes`` (full size) from ``src`` to ``dst`` over tp."""
+    """Collectives converting a tensor of ``nbytes`` (full size) from ``src`` to ``dst`` over tp (any pair; the
+    backward pass uses this for gradients, where autograd performs whatever the forward implied)."""
     if src == dst or src == "R":
         return ()  # same layout, or a local slice of a replicated tensor
     if dst == "P":
@@ -145,6 +156,13 @@ def conversion(src: Layout, dst: Layout, nbytes: float) -> tuple[Collective, ...
     else:
         kind = "all_to_all"  # S_seq <-> S_hid
     return (Collective(kind=kind, nbytes=nbytes),)
+
+
+def forward_conversion(src: Layout, dst: Layout, nbytes: float) -> tuple[Collective, ...] | None:
+    """Like ``conversion`` for the forward pass, or None when the runtime cannot perform the change."""
+    if src != dst and (src, dst) not in EXECUTABLE_CONVERSIONS:
+        return None
+    return conversion(src, dst, nbytes)
 
 
 def _divides(tp: int, sizes: tuple[int, ...]) -> bool:
