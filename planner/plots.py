@@ -46,21 +46,28 @@ def _feasible(table: Any) -> Any:
     return table[(table["status"] == "ok") & (table["tokens_per_s"] > 0)]
 
 
-def _topology_lines(table: Any) -> dict[str, Any]:
-    """Rows grouped into lines over GPU count; single-node rows (no inter-node link) join every line."""
+def _topology_lines(table: Any) -> dict[str, tuple[Any, dict[str, Any]]]:
+    """Rows grouped into lines over GPU count, each with its style: colour = GPU, line style = NIC rate,
+    marker = GPUs per node and intra-node link. Single-node rows (no inter-node link) join every line."""
     import pandas as pd
 
-    keys = ["gpu", "gpus_per_node", "intra"]
-    lines: dict[str, Any] = {}
-    for key, group in table.groupby(keys, sort=False, dropna=False):
+    plt = _pyplot()
+    colors = {g: plt.get_cmap("tab10")(i % 10) for i, g in enumerate(dict.fromkeys(table["gpu"]))}
+    dashes = {r: ("-", "--", ":", "-.")[i % 4] for i, r in enumerate(sorted(table["nic_gbit_s"].dropna().unique()))}
+    node_kinds = list(dict.fromkeys(zip(table["gpus_per_node"], table["intra"])))
+    markers = {k: "osD^v<>ph"[i % 9] for i, k in enumerate(node_kinds)}
+    lines: dict[str, tuple[Any, dict[str, Any]]] = {}
+    for key, group in table.groupby(["gpu", "gpus_per_node", "intra"], sort=False, dropna=False):
         single = group[group["nic_gbit_s"].isna()]
         multi = group[group["nic_gbit_s"].notna()]
         base = f"{key[0]} {key[1]}/node {key[2]}"
+        style = {"color": colors[key[0]], "marker": markers[(key[1], key[2])]}
         if multi.empty:
-            lines[base] = single
+            lines[base] = (single, {**style, "linestyle": "-"})
             continue
         for gbps, sub in multi.groupby("nic_gbit_s", sort=True):
-            lines[f"{base} {gbps:g} Gb/s NIC"] = pd.concat([single, sub]).sort_values("gpus")
+            lines[f"{base} {gbps:g} Gb/s NIC"] = (pd.concat([single, sub]).sort_values("gpus"),
+                                                  {**style, "linestyle": dashes[gbps]})
     return lines
 
 
@@ -69,12 +76,13 @@ def plot_scaling(table: Any, path: str | Path, *, title: str = "") -> Path:
     plt = _pyplot()
     ok = _feasible(table)
     fig, (ax_t, ax_c) = plt.subplots(1, 2, figsize=(13, 5))
-    for name, rows in _topology_lines(ok).items():
+    for name, (rows, style) in _topology_lines(ok).items():
         rows = rows.sort_values("gpus")
-        ax_t.plot(rows["gpus"], rows["tokens_per_s"], marker="o", label=name)
-        ax_c.plot(rows["gpus"], rows["usd_per_mtok"], marker="o", label=name)
+        ax_t.plot(rows["gpus"], rows["tokens_per_s"], label=name, **style)
+        ax_c.plot(rows["gpus"], rows["usd_per_mtok"], label=name, **style)
     for ax in (ax_t, ax_c):
         ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(_plain_formatter())
         ax.set_xlabel("GPUs (count, log scale)")
         ax.grid(True, which="both", alpha=0.3)
     ax_t.set_yscale("log")
@@ -82,6 +90,10 @@ def plot_scaling(table: Any, path: str | Path, *, title: str = "") -> Path:
     ax_t.set_title("predicted training throughput")
     ax_c.set_ylabel("cost (USD per million tokens)")
     ax_c.set_title("cost per token")
+    unpriced = sorted(set(ok.loc[ok["usd_per_mtok"].isna(), "gpu"]))
+    if unpriced:
+        ax_c.text(0.02, 0.98, f"no price in the node profiles: {', '.join(unpriced)}", transform=ax_c.transAxes,
+                  va="top", fontsize=8, color="#555555")
     handles, labels = ax_t.get_legend_handles_labels()
     if handles:
         fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3, fontsize=8,
@@ -92,6 +104,12 @@ def plot_scaling(table: Any, path: str | Path, *, title: str = "") -> Path:
         sup += f"  ({bad} infeasible case{'s' if bad > 1 else ''} not drawn)"
     fig.suptitle(sup)
     return _save(fig, path)
+
+
+def _plain_formatter() -> Any:
+    from matplotlib.ticker import FuncFormatter
+
+    return FuncFormatter(lambda v, _pos: f"{v:g}")
 
 
 def plot_breakdown(table: Any, breakdowns: dict[str, dict[str, float]], path: str | Path, *,
@@ -150,6 +168,8 @@ def plot_pareto(table: Any, path: str | Path, *, tokens: float | None = None, ti
         for i in front:
             ax.annotate(names[i], (xs[i], ys[i]), textcoords="offset points", xytext=(5, 5), fontsize=8)
     ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(_plain_formatter())
+    ax.xaxis.set_minor_formatter(_plain_formatter())
     ax.set_xlabel(xlabel + ", log scale")
     ax.set_ylabel(ylabel)
     ax.set_title(title or "time vs cost: Pareto-optimal clusters")

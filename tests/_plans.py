@@ -80,3 +80,28 @@ def make_plan(
             bottleneck="nvswitch",
         ),
     )
+
+
+def standin_plan(model, cluster, *, global_batch: int, seq=None, time_limit_s=None) -> Plan:
+    """A planner stand-in for testing the what-if machinery: data parallel over nodes, tp inside a node.
+
+    Its step time follows the cluster's GPU peak and NIC rate, so different clusters give different rows;
+    clusters of fewer than 8 GPUs are "infeasible" with a memory figure in the planner's message format.
+    """
+    from costmodel.errors import InfeasiblePlanError
+
+    n = cluster.num_devices
+    if n < 8:
+        raise InfeasiblePlanError(f"{model} does not fit on {n} devices: the leanest needs {640 / n:.1f} GB per device")
+    tp = min(8, cluster.gpus_per_node)
+    dp = n // tp
+    node = cluster.groups[0].node
+    step = 1e3 / (node.gpu.tflops("bf16") * n) + 0.5 / node.nic_gbps_per_gpu
+    plan = make_plan(tp=tp, pp=1, dp=dp, layers=8, num_microbatches=global_batch // dp, gpu=node.gpu.name,
+                     step_time_s=step, memory_gb=640 / n)
+    from dataclasses import replace
+
+    from planner.plan import ClusterInfo
+
+    return replace(plan, cluster=ClusterInfo(name=cluster.name, num_devices=n, nodes=cluster.nodes,
+                                             gpus_per_node=cluster.gpus_per_node, gpu=node.gpu.name))

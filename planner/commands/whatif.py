@@ -70,12 +70,17 @@ class _Progress:
 
 
 def format_table(table) -> str:
+    """The main columns as text; missing values as '-', floats to 4 significant digits."""
     import pandas as pd
 
-    shown = table[[c for c in _SHOWN if c in table.columns]].copy()
-    shown = shown.dropna(axis=1, how="all")
-    with pd.option_context("display.max_columns", None, "display.width", 250, "display.max_colwidth", 32):
-        return shown.to_string(index=False, na_rep="-", float_format=lambda v: f"{v:.4g}")
+    shown = table[[c for c in _SHOWN if c in table.columns]].dropna(axis=1, how="all")
+
+    def cell(v) -> str:
+        if v is None or (not isinstance(v, str) and pd.isna(v)):
+            return "-"
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    return shown.map(cell).to_string(index=False)
 
 
 def run(args: argparse.Namespace) -> int:
