@@ -197,13 +197,18 @@ def fit_collective(points: tuple[CollectivePoint, ...] | list[CollectivePoint], 
     return CollectiveFit(op=op, latency_s=float(alpha), bus_gbps=float(1.0 / beta / 1e9), max_ranks=max(p.ranks for p in pts))
 
 
+LARGE_MEMBOUND_BYTES = 32e6
+"""Sizes from here on stream from DRAM / HBM rather than from caches (training activations are larger)."""
+
+
 def membound_rate_gbps(points: tuple[MemboundPoint, ...] | list[MemboundPoint]) -> float:
-    """Achieved rate at the large sizes: the median over the largest half of the points (caches excluded)."""
+    """Achieved rate at large sizes: the median over points of >= 32 MB (else the largest point)."""
     if not points:
         raise ProfileError("no memory-bound measurements")
-    ordered = sorted(points, key=lambda p: p.nbytes)
-    large = ordered[len(ordered) // 2 :]
-    return float(np.median([p.gbps for p in large]))
+    large = [p.gbps for p in points if p.nbytes >= LARGE_MEMBOUND_BYTES]
+    if not large:
+        large = [max(points, key=lambda p: p.nbytes).gbps]
+    return float(np.median(large))
 
 
 def build_calibration(

@@ -17,6 +17,7 @@ from costmodel.errors import AutoparError
 # Order is the order ``autopar --help`` lists them.
 COMMANDS = (
     "whatif", "export", "diff",
+    "calibrate",
 )
 
 

@@ -1,0 +1,34 @@
+"""``autopar calibrate``: measure this machine's matmul / memory / collective rates into a profile."""
+
+from __future__ import annotations
+
+import argparse
+
+NAME = "calibrate"
+HELP = "measure this machine (matmuls, a memory-bound op, collectives among local ranks) and write a profile"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="autopar-calibration.json", help="profile to write (.json or .toml)")
+    parser.add_argument("--ranks", type=int, default=2, help="largest number of local ranks for collectives (>= 2)")
+    parser.add_argument("--quick", action="store_true", help="a short sweep (< 60 s on 2 CPU cores)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def run(args: argparse.Namespace) -> int:
+    from costmodel.calibration import save_calibration
+    from runtime.calibrate import run_calibration  # the CLI is the edge that may compose runtime
+
+    cal = run_calibration(ranks=args.ranks, quick=args.quick, progress=not args.no_progress)
+    path = save_calibration(cal, args.out)
+    print(f"calibrated {cal.device_name} ({cal.accelerator}, {cal.backend}) on {cal.date}")
+    for fit in cal.matmul_fits:
+        print(
+            f"  matmul {fit.dtype}: peak {fit.peak_tflops * 1e3:.1f} GFLOP/s, half-speed below min dim "
+            f"{fit.dim_half:.0f} / at {fit.flops_half:.3g} FLOPs per call"
+        )
+    print(f"  memory-bound (a + b): {cal.membound_gbps:.2f} GB/s")
+    for cfit in cal.collective_fits:
+        print(f"  {cfit.op:>14}: latency {cfit.latency_s * 1e6:.1f} us, bus bandwidth {cfit.bus_gbps:.3f} GB/s (up to {cfit.max_ranks} ranks)")
+    print(f"wrote {path}  (use it with --cluster local --profile {path})")
+    return 0

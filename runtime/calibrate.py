@@ -1,0 +1,411 @@
+"""Measure this machine for the cost model: matmul rates over shapes, a memory-bound op, and collectives.
+
+The measuring side of ``autopar calibrate``; it produces a ``costmodel.calibration.Calibration`` (fits
+included) that ``--cluster local --profile FILE`` (and any cluster of the same accelerator) uses in place of
+datasheet numbers.
+
+- Matmuls and the memory-bound op (``out = a + b``) run in this process with ``threads_per_rank`` threads
+  (the runtime's ranks run with 1 thread each), best of a few timed blocks.
+- Collectives run among 2..N spawned processes (``gloo`` on CPU, ``nccl`` with one GPU per rank when CUDA has
+  enough devices); each point is the slowest rank's mean time over a timed loop after warm-up.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import os
+import platform
+import queue as _queue
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from costmodel.calibration import (
+    COLLECTIVE_OPS,
+    Calibration,
+    CollectivePoint,
+    MatmulPoint,
+    MemboundPoint,
+    build_calibration,
+)
+from costmodel.errors import AutoparError, ProfileError
+
+log = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "tf32": torch.float32}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CalibrationPlan:
+    """What to measure (``quick_plan`` / ``full_plan`` build the two presets)."""
+
+    matmul_shapes: tuple[tuple[int, int, int], ...]
+    dtypes: tuple[str, ...]
+    membound_bytes: tuple[int, ...]
+    collective_bytes: tuple[int, ...]
+    world_sizes: tuple[int, ...]
+    ops: tuple[str, ...] = COLLECTIVE_OPS
+    min_time_s: float = 0.05
+    collective_iters: int = 5
+    collective_blocks: int = 3
+    threads_per_rank: int = 1
+
+
+def quick_plan(*, ranks: int, cuda: bool) -> CalibrationPlan:
+    """Well under 60 s on a 2-core machine: one world size, few shapes and sizes."""
+    squares = ((64, 64, 64), (128, 128, 128), (256, 256, 256), (512, 512, 512))
+    skinny = ((16, 512, 512), (512, 512, 16), (64, 1024, 512))
+    return CalibrationPlan(
+        matmul_shapes=squares + skinny + (((2048, 2048, 2048), (8192, 8192, 8192)) if cuda else ()),
+        dtypes=("bf16",) if cuda else ("fp32",),
+        membound_bytes=tuple(1 << p for p in (20, 23, 25, 27)),
+        collective_bytes=tuple(1 << p for p in (10, 14, 18, 21, 23)),
+        world_sizes=(ranks,),
+        min_time_s=0.03,
+        collective_iters=2,
+    )
+
+
+def full_plan(*, ranks: int, cuda: bool) -> CalibrationPlan:
+    """Every world size 2..ranks, wider shape and size sweeps, two dtypes."""
+    squares = tuple((s, s, s) for s in (64, 128, 256, 512, 1024, 2048))
+    skinny = ((16, 1024, 1024), (64, 1024, 1024), (256, 1024, 1024), (1024, 1024, 64), (2048, 512, 2048))
+    big = ((4096, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 8192)) if cuda else ()
+    return CalibrationPlan(
+        matmul_shapes=squares + skinny + big,
+        dtypes=("bf16", "fp16", "fp32") if cuda else ("fp32", "bf16"),
+        membound_bytes=tuple(1 << p for p in range(20, 29 if cuda else 28, 2)),
+        collective_bytes=tuple(1 << p for p in range(10, 28 if cuda else 25, 2)),
+        world_sizes=tuple(range(2, ranks + 1)),
+        min_time_s=0.2,
+        collective_iters=10,
+    )
+
+
+# ------------------------------------------------------------------------------------------ device
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def _host_memory_gb() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    except (ValueError, OSError, AttributeError):
+        return 8.0
+
+
+def gpu_profile_name(cuda_name: str, memory_gb: float) -> str:
+    """The ``profiles/accelerators.toml`` entry for a CUDA device name (``NVIDIA H100 80GB HBM3``)."""
+    n = cuda_name.upper()
+    table = (
+        ("H200", "H200-SXM-141GB"), ("B200", "B200-SXM-180GB"), ("L40S", "L40S"), ("MI300X", "MI300X"),
+        ("H100 PCIE", "H100-PCIe-80GB"), ("H100", "H100-SXM5-80GB"),
+    )  # fmt: skip
+    for key, name in table:
+        if key in n:
+            return name
+    if "A100" in n:
+        pcie = "PCIE" in n
+        big = memory_gb > 50
+        return f"A100-{'PCIe' if pcie else 'SXM4'}-{'80' if big else '40'}GB"
+    if "V100" in n:
+        return "V100-SXM2-32GB" if memory_gb > 20 else "V100-SXM2-16GB"
+    return cuda_name
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeviceInfo:
+    device: str
+    """torch device string: ``cpu`` or ``cuda``."""
+    device_name: str
+    accelerator: str
+    memory_gb: float
+    backend: str
+    max_ranks: int
+
+
+def detect_device() -> DeviceInfo:
+    """What this process can measure (the one place that looks at the live hardware)."""
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        mem = props.total_memory / 1e9
+        return DeviceInfo(
+            device="cuda", device_name=props.name, accelerator=gpu_profile_name(props.name, mem), memory_gb=mem,
+            backend="nccl", max_ranks=torch.cuda.device_count(),
+        )  # fmt: skip
+    cores = os.cpu_count() or 1
+    return DeviceInfo(
+        device="cpu", device_name=f"{cpu_name()} ({cores} cores)", accelerator="cpu-local",
+        memory_gb=_host_memory_gb(), backend="gloo", max_ranks=64,
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------ timing
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time_call(fn: Callable[[], Any], *, device: str, min_time_s: float, blocks: int = 3) -> float:
+    """Seconds per call: best of ``blocks`` timed loops, each long enough to reach ``min_time_s / blocks``."""
+    fn()
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    once = max(time.perf_counter() - t0, 1e-7)
+    reps = max(1, int(min_time_s / blocks / once))
+    best = float("inf")
+    for _ in range(blocks):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        _sync(device)
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return best
+
+
+def measure_matmul(plan: CalibrationPlan, *, device: str, progress: Callable[[], None]) -> list[MatmulPoint]:
+    points = []
+    for dtype in plan.dtypes:
+        torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
+        for m, n, k in plan.matmul_shapes:
+            a = torch.randn(m, k, device=device).to(_TORCH_DTYPES[dtype])
+            b = torch.randn(k, n, device=device).to(_TORCH_DTYPES[dtype])
+            out = torch.empty(m, n, device=device, dtype=_TORCH_DTYPES[dtype])
+            t = _time_call(lambda: torch.matmul(a, b, out=out), device=device, min_time_s=plan.min_time_s)
+            points.append(MatmulPoint(m=m, n=n, k=k, dtype=dtype, time_s=t))
+            progress()
+    return points
+
+
+def measure_membound(plan: CalibrationPlan, *, device: str, progress: Callable[[], None]) -> list[MemboundPoint]:
+    points = []
+    for nbytes in plan.membound_bytes:
+        numel = max(1, nbytes // 12)  # fp32 a + b -> out: read 2, write 1
+        a, b = torch.rand(numel, device=device), torch.rand(numel, device=device)
+        out = torch.empty_like(a)
+        t = _time_call(lambda: torch.add(a, b, out=out), device=device, min_time_s=plan.min_time_s)
+        points.append(MemboundPoint(nbytes=float(numel * 12), time_s=t))
+        progress()
+    return points
+
+
+# ------------------------------------------------------------------------------------- collectives
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _make_op(op: str, nbytes: int, rank: int, world: int, device: str) -> tuple[Callable[[], Any], int]:
+    """A closure running one ``op`` on ``nbytes`` (NCCL convention) and the bytes it really moves."""
+    import torch.distributed as dist
+
+    numel = max(world, nbytes // 4 // world * world)
+    shard = numel // world
+    full = torch.ones(numel, device=device)
+    part = torch.ones(shard, device=device)
+    if op == "all_reduce":
+        fn = lambda: dist.all_reduce(full)  # noqa: E731
+    elif op == "all_gather":
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        fn = lambda: gather(full, part)  # noqa: E731
+    elif op == "reduce_scatter":
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        fn = lambda: scatter(part, full)  # noqa: E731
+    elif op == "all_to_all":
+        out = torch.empty_like(full)
+        fn = lambda: dist.all_to_all_single(out, full)  # noqa: E731
+    elif op == "broadcast":
+        fn = lambda: dist.broadcast(full, 0)  # noqa: E731
+    elif op == "send_recv":  # ping-pong between ranks 0 and 1; one iteration = two one-way messages
+
+        def fn() -> None:
+            if rank == 0:
+                dist.send(full, 1)
+                dist.recv(full, 1)
+            elif rank == 1:
+                dist.recv(full, 0)
+                dist.send(full, 0)
+
+    else:
+        raise ProfileError(f"unknown collective {op!r}; use one of {', '.join(COLLECTIVE_OPS)}")
+    return fn, numel * 4
+
+
+def _time_collective(fn: Callable[[], Any], *, device: str, iters: int, blocks: int) -> float:
+    """Best over ``blocks`` of the slowest rank's mean time per call (collective: every rank calls it)."""
+    import torch.distributed as dist
+
+    fn()
+    best = float("inf")
+    for _ in range(blocks):
+        dist.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        _sync(device)
+        slowest = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        best = min(best, float(slowest.item()))
+    return best
+
+
+def _collective_worker(rank: int, world: int, port: int, backend: str, plan: CalibrationPlan, results: Any) -> None:
+    """One rank: time every (op, size) and send rank 0's table (slowest rank per point) to the parent."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(plan.threads_per_rank)
+    device = "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        device = "cuda"
+    try:
+        dist.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+            timeout=_dt.timedelta(seconds=120),
+        )  # fmt: skip
+        for op in plan.ops:
+            if op == "send_recv" and world != 2:
+                continue  # point-to-point is measured on a pair
+            for nbytes in plan.collective_bytes:
+                fn, real_bytes = _make_op(op, nbytes, rank, world, device)
+                best = _time_collective(fn, device=device, iters=plan.collective_iters, blocks=plan.collective_blocks)
+                if op == "send_recv":
+                    best /= 2.0
+                if rank == 0:
+                    results.put(("point", (op, world, float(real_bytes), best)))
+        if rank == 0:
+            results.put(("done", None))
+    except Exception:  # reported to the parent, which raises it
+        results.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def measure_collectives(
+    plan: CalibrationPlan, *, backend: str, world: int, progress: Callable[[], None], timeout_s: float = 300.0
+) -> list[CollectivePoint]:
+    """Spawn ``world`` ranks on this machine and time the plan's collectives among them."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    env_threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(plan.threads_per_rank)  # children inherit it at spawn
+    procs = [ctx.Process(target=_collective_worker, args=(r, world, port, backend, plan, results)) for r in range(world)]
+    try:
+        for p in procs:
+            p.start()
+        return _collect(results, procs, progress=progress, timeout_s=timeout_s)
+    finally:
+        if env_threads is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = env_threads
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+
+
+def _collect(results: Any, procs: list, *, progress: Callable[[], None], timeout_s: float) -> list[CollectivePoint]:
+    points: list[CollectivePoint] = []
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            kind, payload = results.get(timeout=1.0)
+        except _queue.Empty:
+            if time.monotonic() > deadline:
+                raise AutoparError(f"calibration collectives did not finish within {timeout_s:.0f} s") from None
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise AutoparError(f"a calibration rank exited with code {dead[0].exitcode}") from None
+            continue
+        if kind == "error":
+            raise AutoparError(f"calibration collective failed on {payload}")
+        if kind == "done":
+            return points
+        op, ranks, nbytes, t = payload
+        points.append(CollectivePoint(op=op, ranks=ranks, nbytes=nbytes, time_s=t))
+        progress()
+
+
+# --------------------------------------------------------------------------------------------- entry
+
+
+def _progress_bar(total: int, enabled: bool) -> Any:
+    try:
+        from tqdm import tqdm
+
+        return tqdm(total=total, disable=not enabled, file=sys.stderr, desc="calibrate", unit="pt", leave=False)
+    except ImportError:  # pragma: no cover - tqdm is a dependency of transformers
+        return None
+
+
+def run_calibration(*, ranks: int = 2, quick: bool = False, progress: bool = True) -> Calibration:
+    """Measure this machine and return the calibration (fits computed)."""
+    if ranks < 2:
+        raise ProfileError(f"--ranks {ranks}: collectives need at least 2 ranks")
+    info = detect_device()
+    cuda = info.device == "cuda"
+    world_max = min(ranks, info.max_ranks)
+    plan = (quick_plan if quick else full_plan)(ranks=world_max, cuda=cuda)
+    if world_max < 2:
+        plan = CalibrationPlan(**{**{f: getattr(plan, f) for f in plan.__slots__}, "world_sizes": ()})
+        log.warning("only %d %s device(s): collectives not measured", info.max_ranks, info.device)
+    n_coll = sum(
+        len(plan.collective_bytes) * sum(1 for op in plan.ops if op != "send_recv" or w == 2) for w in plan.world_sizes
+    )
+    total = len(plan.matmul_shapes) * len(plan.dtypes) + len(plan.membound_bytes) + n_coll
+    bar = _progress_bar(total, progress)
+    tick = bar.update if bar is not None else (lambda *a: None)
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(plan.threads_per_rank)
+    try:
+        matmul = measure_matmul(plan, device=info.device, progress=tick)
+        membound = measure_membound(plan, device=info.device, progress=tick)
+        collectives: list[CollectivePoint] = []
+        for world in plan.world_sizes:
+            collectives += measure_collectives(plan, backend=info.backend, world=world, progress=tick)
+    finally:
+        torch.set_num_threads(threads_before)
+        if bar is not None:
+            bar.close()
+    return build_calibration(
+        device_name=info.device_name,
+        accelerator=info.accelerator,
+        date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        backend=info.backend,
+        memory_gb=info.memory_gb,
+        matmul=tuple(matmul),
+        membound=tuple(membound),
+        collectives=tuple(collectives),
+        threads_per_rank=plan.threads_per_rank,
+        torch_version=torch.__version__,
+        notes=f"{'quick' if quick else 'full'} calibration, world sizes {list(plan.world_sizes)}",
+    )
