@@ -1,0 +1,394 @@
+"""``trace(model, example_inputs) -> OpGraph``: torch.export (non-strict) on meta / fake tensors.
+
+Every ``call_function`` node of the exported (pre-dispatch, training) aten graph becomes an ``OpNode`` with
+its shapes, dtypes, FLOP rule (``planner.flops``), bytes, the parameters it reads and the module it came from
+(``nn_module_stack``); every tensor flowing between two ops becomes an ``Edge`` with its size.
+
+The depth shortcut (why a 126-layer model traces in seconds): torch.export costs ~10 ms per op, and a
+transformer's layers are identical. Unless ``full_depth=True``, ``trace`` finds the model's layer list (the
+largest ``nn.ModuleList`` of same-class modules), keeps one layer per distinct layer structure (class,
+parameter names / shapes / dtypes, ``attention_type``) and at least two, swaps that shorter list into the
+model for the duration of the export (restored in ``finally``), and expands the traced layers back to the
+full depth: layer ``i`` gets a copy of its representative's ops with module and parameter FQNs renamed
+(``model.layers.1.mlp`` -> ``model.layers.i.mlp``), and the residual stream is re-linked layer to layer.
+Two checks guard it: the traced copies of one structure must have identical op signatures, and the
+stream between layers must have the same arity everywhere; otherwise ``trace`` falls back to exporting the
+full depth. ``OpGraph.traced_layers`` says how many layers were exported. The totals are exact: tests check
+``graph.params`` against ``sum(p.numel())`` of the full model and the FLOPs against the analytic formulas.
+
+Attention masks: HF causal LMs pass an explicit (Sq, Sk) boolean mask to sdpa; with ``causal_mask=True``
+(default) an attention with a mask is counted as causal in ``causal_fraction`` (dense counts stay).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import time
+import traceback
+from collections import Counter
+from typing import Any, Iterator
+
+from costmodel.errors import UnsupportedModelError
+from planner.flops import op_cost, op_name
+from planner.graph import Edge, OpGraph, OpNode, op_signature
+
+log = logging.getLogger(__name__)
+
+_GATHER_OPS = frozenset({"index", "index_select", "gather", "_unsafe_index"})
+
+
+def find_layer_list(model: Any) -> tuple[str, Any] | None:
+    """(FQN, ModuleList) of the model's transformer layers: the longest ModuleList of one module class."""
+    import torch.nn as nn
+
+    best = None
+    for fqn, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) >= 2 and len({type(m) for m in mod}) == 1:
+            if best is None or len(mod) > len(best[1]):
+                best = (fqn, mod)
+    return best
+
+
+def trace(model: Any, example_inputs: tuple, *, full_depth: bool = False, causal_mask: bool = True) -> OpGraph:
+    """Trace ``model(*example_inputs)`` into an ``OpGraph`` (see the module docstring for the depth shortcut)."""
+    t0 = time.perf_counter()
+    found = find_layer_list(model)
+    graph = None
+    if found is not None and not full_depth and len(found[1]) > 2:
+        graph = _trace_shortcut(model, example_inputs, found, causal_mask=causal_mask)
+    if graph is None:
+        layer_fqns = tuple(f"{found[0]}.{i}" for i in range(len(found[1]))) if found else ()
+        ep = _export(model, example_inputs)
+        graph = _graph_from_export(ep, layer_parent=found[0] if found else None, layer_fqns=layer_fqns,
+                                   causal_mask=causal_mask)
+    unsupported = tuple(sorted(Counter(op_name_of(n) for n in graph.nodes if not n.covered).items()))
+    from dataclasses import replace
+
+    return replace(graph, unsupported=unsupported, trace_time_s=time.perf_counter() - t0)
+
+
+def op_name_of(node: OpNode) -> str:
+    return node.target.removeprefix("aten.")
+
+
+# --- export and its errors ----------------------------------------------------------------------------------
+
+
+def _export(model: Any, example_inputs: tuple) -> Any:
+    import torch
+
+    try:
+        return torch.export.export(model, tuple(example_inputs), strict=False)
+    except Exception as e:  # noqa: BLE001 - every export failure becomes one typed error
+        raise UnsupportedModelError(_explain_export_failure(model, e)) from None
+
+
+def _explain_export_failure(model: Any, exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    first = text.strip().splitlines()[0][:300]
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if "/torch/" not in f.filename and "/planner/trace.py" not in f.filename]
+    where = f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
+    user = re.search(r'File "([^"]+)", line (\d+)', text)
+    if not where and user:
+        where = f" at {user.group(1)}:{user.group(2)}"
+    op = re.search(r"(aten\.\w+(?:\.\w+)?)", text)
+    op_part = f" in op {op.group(1)}" if op else ""
+    return (f"torch.export could not trace {type(model).__name__}{op_part}{where}: {first}. "
+            f"Suggestion: {_suggestion(text)}")
+
+
+def _suggestion(text: str) -> str:
+    low = text.lower()
+    if "grouped_mm" in low or "expert" in low or "histc" in low:
+        return 'build MoE models with experts_implementation="batched_mm" (transformers)'
+    if "flash" in low or "flex" in low or "attention" in low:
+        return 'build the model with attn_implementation="sdpa"'
+    if "data-dependent" in low or "guardondatadependent" in low or "item()" in low or "nonzero" in low:
+        return ("remove data-dependent control flow (Python if on tensor values, .item(), nonzero) from forward, "
+                "or guard it with torch._check; meta tensors have no values")
+    return ("check that model(*example_inputs) runs on meta tensors; for Hugging Face models pass "
+            'attn_implementation="sdpa" and use_cache=False')
+
+
+# --- the depth shortcut -------------------------------------------------------------------------------------
+
+
+def _structure_key(layer: Any) -> tuple:
+    params = tuple((n, tuple(p.shape), str(p.dtype)) for n, p in layer.named_parameters())
+    attrs = tuple(repr(getattr(layer, a, None)) for a in ("attention_type", "sliding_window", "is_sliding"))
+    return (type(layer).__name__, params, attrs)
+
+
+def _representatives(layers: Any) -> tuple[list[int], list[int], list[tuple]]:
+    """(keep: full indices to trace, rep: full index -> position in keep, key of each kept layer)."""
+    keys = [_structure_key(layer) for layer in layers]
+    first: dict[tuple, int] = {}
+    for i, k in enumerate(keys):
+        first.setdefault(k, i)
+    keep = sorted(set(first.values()) | {1})  # at least two copies, so that repetition is checked
+    pos = {full: j for j, full in enumerate(keep)}
+    rep = [pos.get(i, pos[first[keys[i]]]) for i in range(len(keys))]
+    return keep, rep, [keys[i] for i in keep]
+
+
+@contextlib.contextmanager
+def _swapped_layers(model: Any, parent_fqn: str, keep: list[int]) -> Iterator[None]:
+    import torch.nn as nn
+
+    owner_fqn, _, attr = parent_fqn.rpartition(".")
+    owner = model.get_submodule(owner_fqn) if owner_fqn else model
+    full = getattr(owner, attr)
+    setattr(owner, attr, nn.ModuleList([full[i] for i in keep]))
+    try:
+        yield
+    finally:
+        setattr(owner, attr, full)
+
+
+def _trace_shortcut(model: Any, example_inputs: tuple, found: tuple[str, Any], *,
+                    causal_mask: bool) -> OpGraph | None:
+    parent, layers = found
+    keep, rep, keys = _representatives(layers)
+    with _swapped_layers(model, parent, keep):
+        ep = _export(model, example_inputs)
+    reduced_fqns = tuple(f"{parent}.{j}" for j in range(len(keep)))
+    reduced = _graph_from_export(ep, layer_parent=parent, layer_fqns=reduced_fqns, causal_mask=causal_mask)
+    full_fqns = tuple(f"{parent}.{i}" for i in range(len(layers)))
+    graph = _expand(reduced, rep=rep, keys=keys, full_fqns=full_fqns)
+    if graph is None:
+        log.warning("layer shortcut did not verify for %s; exporting all %d layers", parent, len(layers))
+        return None
+    log.info("traced %d of %d layers of %s, expanded to the full depth", len(keep), len(layers), parent)
+    return graph
+
+
+def _rename(fqn: str, src: str, dst: str) -> str:
+    if fqn == src:
+        return dst
+    if fqn.startswith(src + "."):
+        return dst + fqn[len(src):]
+    return fqn
+
+
+def _expand(reduced: OpGraph, *, rep: list[int], keys: list[tuple], full_fqns: tuple[str, ...]) -> OpGraph | None:
+    """Copy each full layer from its representative; None when the structure does not allow it."""
+    red_fqns = reduced.layer_fqns
+    groups: dict[str, list[OpNode]] = {b: [] for b in ("embedding", *red_fqns, "head")}
+    for n in reduced.nodes:
+        groups[n.block].append(n)
+    # traced copies of one layer structure must have traced to identical op sequences
+    sig_of_key: dict[tuple, str] = {}
+    for fqn, key in zip(red_fqns, keys):
+        sig = op_signature(groups[fqn], fqn)
+        if sig_of_key.setdefault(key, sig) != sig:
+            return None
+    links = _classify_edges(reduced)
+    if links is None:
+        return None
+    return _materialize(reduced, groups, links, rep=rep, full_fqns=full_fqns)
+
+
+def _classify_edges(reduced: OpGraph) -> dict | None:
+    """Split the reduced graph's edges into fixed, intra-layer, broadcast (pre -> layer) and stream edges."""
+    red = {f: j for j, f in enumerate(reduced.layer_fqns)}
+    block_of = {n.name: n.block for n in reduced.nodes}
+    pos = lambda name: red.get(block_of[name], -1 if block_of[name] == "embedding" else len(red))  # noqa: E731
+    consumers: dict[str, set[int]] = {}
+    for e in reduced.edges:
+        if pos(e.src) == -1 and 0 <= pos(e.dst) < len(red):
+            consumers.setdefault(e.src, set()).add(pos(e.dst))
+    out_lists: dict[int, list[str]] = {}
+    fixed, intra, bcast, stream = [], [], [], []
+    for e in reduced.edges:
+        a, b = pos(e.src), pos(e.dst)
+        if a == b and 0 <= a < len(red):
+            intra.append((a, e))
+        elif a in (-1, len(red)) and b in (-1, len(red)):
+            fixed.append(e)
+        elif a == -1 and consumers[e.src] != {0}:
+            bcast.append((b, e))
+        elif b == a + 1:  # pre -> layer 0, layer j -> j + 1, last layer -> head
+            out = out_lists.setdefault(a, [])
+            if e.src not in out:
+                out.append(e.src)
+            stream.append((b, out.index(e.src), e))
+        else:
+            return None
+    arity = {len(v) for k, v in out_lists.items() if k >= 0}
+    if len(arity) > 1:
+        return None
+    return {"fixed": fixed, "intra": intra, "bcast": bcast, "stream": stream, "out": out_lists}
+
+
+def _materialize(reduced: OpGraph, groups: dict[str, list[OpNode]], links: dict, *, rep: list[int],
+                 full_fqns: tuple[str, ...]) -> OpGraph:
+    from dataclasses import replace
+
+    red_fqns = reduced.layer_fqns
+    nk = len(red_fqns)
+    name_in = lambda name, i: f"{name}@{i}"  # noqa: E731
+    nodes = list(groups["embedding"])
+    for i, j in enumerate(rep):
+        src, dst = red_fqns[j], full_fqns[i]
+        for n in groups[src]:
+            nodes.append(replace(
+                n, name=name_in(n.name, i), block=dst, module_fqn=_rename(n.module_fqn, src, dst),
+                params=tuple((_rename(f, src, dst), s, d) for f, s, d in n.params)))
+    nodes.extend(groups["head"])
+    edges = list(links["fixed"])
+    for i, j in enumerate(rep):
+        edges.extend(Edge(src=name_in(e.src, i), dst=name_in(e.dst, i), nbytes=e.nbytes)
+                     for a, e in links["intra"] if a == j)
+        edges.extend(Edge(src=e.src, dst=name_in(e.dst, i), nbytes=e.nbytes) for b, e in links["bcast"] if b == j)
+    out = links["out"]
+    last = len(rep) - 1
+    for b, q, e in links["stream"]:
+        if b == nk:  # into the head, from the last full layer
+            edges.append(Edge(src=name_in(out[rep[last]][q], last), dst=e.dst, nbytes=e.nbytes))
+            continue
+        for i, j in enumerate(rep):
+            if j != b:
+                continue
+            src = e.src if i == 0 else name_in(out[rep[i - 1]][q], i - 1)
+            edges.append(Edge(src=src, dst=name_in(e.dst, i), nbytes=e.nbytes))
+    param_sizes: dict[str, int] = {}
+    for n in nodes:
+        for f, shape, _ in n.params:
+            if f not in param_sizes:
+                param_sizes[f] = _numel(shape)
+    return replace(reduced, nodes=tuple(nodes), edges=tuple(edges), param_sizes=tuple(param_sizes.items()),
+                   layer_fqns=full_fqns, traced_layers=nk)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+# --- exported program -> OpGraph ----------------------------------------------------------------------------
+
+
+def _graph_from_export(ep: Any, *, layer_parent: str | None, layer_fqns: tuple[str, ...],
+                       causal_mask: bool) -> OpGraph:
+    import torch
+
+    sig = ep.graph_signature
+    param_of = dict(sig.inputs_to_parameters)
+    state = ep.state_dict
+    grad: dict[str, bool] = {}
+    eff_bytes: dict[str, float] = {}
+    for ph in ep.graph.nodes:
+        if ph.op != "placeholder":
+            continue
+        fqn = param_of.get(ph.name)
+        grad[ph.name] = bool(fqn is not None and getattr(state.get(fqn), "requires_grad", True))
+    layer_set = set(layer_fqns)
+    nodes: list[OpNode] = []
+    edges: dict[tuple[str, str], float] = {}
+    param_sizes: dict[str, int] = {}
+    seen_layer = False
+    for fx in ep.graph.nodes:
+        if fx.op != "call_function":
+            continue
+        node = _make_node(fx, param_of=param_of, grad=grad, eff_bytes=eff_bytes, causal_mask=causal_mask,
+                          torch=torch)
+        block = _layer_of(node.module_fqn, layer_parent, layer_set)
+        if block:
+            seen_layer = True
+        else:
+            block = "head" if seen_layer else "embedding"
+        nodes.append(_with_block(node, block))
+        for f, shape, _ in node.params:
+            param_sizes.setdefault(f, _numel(shape))
+        for src in _tensor_inputs(fx):
+            if src.op == "call_function":
+                edges[(src.name, fx.name)] = eff_bytes.get(src.name, 0.0)
+    return OpGraph(nodes=tuple(nodes), edges=tuple(Edge(src=s, dst=d, nbytes=b) for (s, d), b in edges.items()),
+                   param_sizes=tuple(param_sizes.items()), layer_fqns=layer_fqns, traced_layers=len(layer_fqns))
+
+
+def _with_block(node: OpNode, block: str) -> OpNode:
+    from dataclasses import replace
+
+    return replace(node, block=block)
+
+
+def _layer_of(module_fqn: str, parent: str | None, layers: set[str]) -> str:
+    if not parent or not module_fqn.startswith(parent + "."):
+        return ""
+    idx = module_fqn[len(parent) + 1:].split(".", 1)[0]
+    fqn = f"{parent}.{idx}"
+    return fqn if fqn in layers else ""
+
+
+def _tensor_inputs(fx: Any) -> list[Any]:
+    out: list[Any] = []
+    for a in (*fx.args, *fx.kwargs.values()):
+        for x in a if isinstance(a, (list, tuple)) else (a,):
+            if hasattr(x, "op") and x not in out:
+                out.append(x)
+    return out
+
+
+def _vals(v: Any) -> list[Any]:
+    if isinstance(v, (list, tuple)):
+        return [x for x in v if hasattr(x, "shape")]
+    return [v] if hasattr(v, "shape") else []
+
+
+def _nbytes(t: Any) -> float:
+    return float(t.numel() * t.element_size())
+
+
+def _make_node(fx: Any, *, param_of: dict, grad: dict, eff_bytes: dict, causal_mask: bool, torch: Any) -> OpNode:
+    name = op_name(fx.target)
+    arg_list = list(fx.args)
+    if "attn_mask" in fx.kwargs and len(arg_list) == 3:
+        arg_list.append(fx.kwargs["attn_mask"])
+    in_shapes, grads = [], []
+    for a in arg_list:
+        v = a.meta.get("val") if hasattr(a, "meta") else None
+        in_shapes.append(tuple(v.shape) if hasattr(v, "shape") else None)
+        grads.append(bool(hasattr(a, "name") and grad.get(a.name, False)))
+    outs = _vals(fx.meta.get("val"))
+    kwargs = {k: v for k, v in fx.kwargs.items() if isinstance(v, (bool, int, float))}
+    cost = op_cost(name, in_shapes=in_shapes, out_shapes=[tuple(o.shape) for o in outs], grads=grads,
+                   kwargs=kwargs, causal_mask=causal_mask)
+    inputs = _tensor_inputs(fx)
+    params = []
+    for a in inputs:
+        fqn = param_of.get(a.name) if a.op == "placeholder" else None
+        if fqn is not None:
+            v = a.meta["val"]
+            params.append((fqn, tuple(int(s) for s in v.shape), str(v.dtype).removeprefix("torch.")))
+    in_vals = [(a, a.meta.get("val")) for a in inputs]
+    out_bytes = sum(_nbytes(o) for o in outs)
+    if cost.op_class == "view":
+        read = written = 0.0
+        eff = sum(eff_bytes.get(a.name, _nbytes(v)) for a, v in in_vals if hasattr(v, "shape")) if outs else 0.0
+        eff = min(eff, out_bytes) if outs else 0.0
+    else:
+        read = sum(eff_bytes.get(a.name, _nbytes(v)) for a, v in in_vals if hasattr(v, "shape"))
+        written = eff = out_bytes
+        if name in _GATHER_OPS and params:  # gather of expert weights (batched_mm): a grouped kernel reads them in place
+            written = eff = min(out_bytes, sum(_numel(s) for _, s, _ in params) * outs[0].element_size())
+    eff_bytes[fx.name] = eff
+    floating = any(o.dtype.is_floating_point for o in outs)
+    grad[fx.name] = floating and any(grad.get(a.name, False) for a in inputs)
+    stack = fx.meta.get("nn_module_stack") or {}
+    module_fqn = list(stack.values())[-1][0] if stack else ""
+    return OpNode(
+        name=fx.name, target=str(fx.target) if name != "getitem" else "getitem", op_class=cost.op_class,
+        input_shapes=tuple(s for s in in_shapes if s is not None),
+        input_dtypes=tuple(str(v.dtype).removeprefix("torch.") for _, v in in_vals if hasattr(v, "dtype")),
+        output_shapes=tuple(tuple(int(s) for s in o.shape) for o in outs),
+        output_dtypes=tuple(str(o.dtype).removeprefix("torch.") for o in outs),
+        flops_fwd=cost.flops_fwd, flops_bwd=cost.flops_bwd, flops_bwd_recompute=cost.flops_bwd_recompute,
+        causal_fraction=cost.causal_fraction, bytes_read=read, bytes_written=written, params=tuple(params),
+        module_fqn=module_fqn.removeprefix("L__self__."), covered=cost.covered,
+    )
