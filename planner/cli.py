@@ -16,6 +16,7 @@ from costmodel.errors import AutoparError
 
 # Order is the order ``autopar --help`` lists them.
 COMMANDS = (
+    "plan", "explain",
     "whatif", "export", "diff",
     "calibrate",
 )

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import math
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from planner.plan import (
     Alternative,
@@ -34,12 +33,16 @@ def flops_per_step(workload: Any, global_batch: int) -> float:
     return float((workload.flops_fwd_per_seq + workload.flops_bwd_per_seq) * global_batch)
 
 
-def stage_plans(*, workload: Any, cluster: Any, candidate: Any) -> tuple[StagePlan, ...]:
+def stage_plans(
+    *, workload: Any, cluster: Any, candidate: Any, module_groups: Mapping[str, Sequence[str]] | None = None
+) -> tuple[StagePlan, ...]:
     """One StagePlan per chunk: chunk ``c`` runs on pipeline rank ``c % pp``; ranks are row-major over
-    (pp, dp, ep, cp, tp) so pipeline rank ``r`` holds the contiguous block ``[r * N/pp, (r + 1) * N/pp)``."""
+    (pp, dp, ep, cp, tp) so pipeline rank ``r`` holds the contiguous block ``[r * N/pp, (r + 1) * N/pp)``.
+    ``module_groups`` expands group names (``embedding``, ``head``) into the module FQNs they stand for."""
     s, est = candidate.structure, candidate.estimate
     per_rank = cluster.num_devices // s.pp
-    names = [layer.name for layer in workload.layers]
+    groups = dict(module_groups or {})
+    names = [tuple(groups.get(layer.name, (layer.name,))) for layer in workload.layers]
     times = list(getattr(est, "stage_time_s", ()) or ())
     mems = list(getattr(est, "stage_memory_gb", ()) or ())
     out, start = [], 0
@@ -49,7 +52,7 @@ def stage_plans(*, workload: Any, cluster: Any, candidate: Any) -> tuple[StagePl
         out.append(StagePlan(
             index=c,
             pp_rank=r,
-            modules=tuple(names[start : start + n]),
+            modules=tuple(m for group in names[start : start + n] for m in group),
             ranks=ranks,
             recompute=candidate.knobs.recompute,
             gpu=cluster.group_of_rank(ranks[0]).node.gpu.name,
@@ -85,6 +88,7 @@ def build_plan(
     shardings: Sequence[ModuleSharding],
     time_per_phase_s: dict[str, float],
     record_timings: bool = True,
+    module_groups: Mapping[str, Sequence[str]] | None = None,
 ) -> Plan:
     best = result.best
     s = best.structure
@@ -114,7 +118,7 @@ def build_plan(
         cluster=cluster_info(cluster),
         degrees=degrees,
         mesh=MeshSpec.from_degrees(degrees),
-        stages=stage_plans(workload=workload, cluster=cluster, candidate=best),
+        stages=stage_plans(workload=workload, cluster=cluster, candidate=best, module_groups=module_groups),
         shardings=tuple(shardings),
         zero_stage=best.knobs.zero_stage,
         sequence_parallel=best.knobs.sequence_parallel,
@@ -127,7 +131,3 @@ def build_plan(
         solver=stats,
         alternatives=alternatives,
     )
-
-
-def finite_or_zero(x: float) -> float:
-    return x if math.isfinite(x) else 0.0

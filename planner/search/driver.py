@@ -354,3 +354,47 @@ def _infeasible_error(ctx: _Ctx, workload: Any, cluster: Any) -> InfeasiblePlanE
         f"devices, devices with >= {need:.0f} GB, a shorter sequence, or a smaller global batch"
         + (f"; or relax --fix {ctx.fix}" if ctx.fix else "")
     )
+
+
+# --- the public entry -------------------------------------------------------------------------------------
+
+
+def plan_model(
+    model: Any,
+    cluster: Any,
+    *,
+    global_batch: int,
+    seq: int | None = None,
+    time_limit_s: float | None = None,
+    fix: Mapping[str, Any] | str | None = None,
+    options: sp.SearchOptions | None = None,
+    progress: Progress | None = None,
+    record_timings: bool = True,
+):
+    """Plan ``model`` (a spec string, or a ``(Workload, ModelInfo)`` pair) on ``cluster``: a ``Plan``.
+
+    ``time_limit_s`` bounds the search (anytime: the best plan so far, ``solver.status == "feasible"``);
+    ``fix`` pins any choice (``{"tp": 8, "pp": 4}`` or ``"tp=8,pp=4"``). ``record_timings=False`` leaves the
+    wall-clock phase times out of the plan, so that equal inputs give byte-identical plan files.
+    """
+    from planner.search import model_input
+    from planner.search.assemble import build_plan
+
+    if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch < 1:
+        raise ConfigError(f"global_batch={global_batch!r} must be a positive integer")
+    t0 = time.perf_counter()
+    loaded = model_input.load(model, seq=seq, global_batch=global_batch)
+    t_trace = time.perf_counter() - t0
+    result = search(workload=loaded.workload, cluster=cluster, global_batch=global_batch, options=options,
+                    fix=fix, time_limit_s=None if time_limit_s is None else max(0.0, time_limit_s - t_trace),
+                    progress=progress)
+    t1 = time.perf_counter()
+    shardings, intra_stats = model_input.shardings_for(loaded, result.best, cluster=cluster)
+    t_intra = time.perf_counter() - t1
+    phases = {"trace": t_trace, **result.time_per_phase_s, "intra_op": t_intra}
+    log.info("planned %s: %s, %.4f s/step (%s)", loaded.model_info.name, result.best.summary(),
+             result.best.step_time_s, result.status)
+    plan = build_plan(model_info=loaded.model_info, workload=loaded.workload, cluster=cluster, result=result,
+                      global_batch=global_batch, shardings=shardings, time_per_phase_s=phases,
+                      record_timings=record_timings, module_groups=loaded.module_groups)
+    return plan

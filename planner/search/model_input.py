@@ -1,0 +1,75 @@
+"""What the planner needs of a model: its Workload, its ModelInfo, its blocks (for the per-module sharding)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from costmodel.errors import ConfigError
+from costmodel.workload import Workload
+from planner.plan import ModelInfo, ModuleSharding
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LoadedModel:
+    workload: Workload
+    model_info: ModelInfo
+    blocks: tuple[Any, ...] = ()
+    """``planner.graph.Block`` per layer / embedding / head, when the model was traced here."""
+    module_groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Group names in ``workload.layers`` (``embedding``, ``head``) -> the module FQNs they stand for."""
+
+
+def load(model: Any, *, seq: int | None, global_batch: int) -> LoadedModel:
+    """``model`` is a spec string (traced and cached by ``planner.workload``) or a ``(Workload, ModelInfo)``."""
+    if isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], Workload):
+        workload, info = model
+        if not isinstance(info, ModelInfo):
+            raise ConfigError(f"model=(Workload, {type(info).__name__}): the second item must be a planner.plan.ModelInfo")
+        return LoadedModel(workload=workload, model_info=info, module_groups=dict(workload.meta.get("module_groups", {})))
+    if not isinstance(model, str):
+        raise ConfigError(f"model must be a spec string or a (Workload, ModelInfo) pair, got {type(model).__name__}")
+    from planner import workload as wl_mod
+
+    workload, bits = wl_mod.workload_from_model(model, batch=1, seq=seq)
+    blocks = tuple(getattr(bits, "blocks", ()) or ())
+    groups = {b.name: tuple(b.modules) for b in blocks if getattr(b, "kind", "") != "transformer"}
+    groups.update(dict(workload.meta.get("module_groups", {})) if isinstance(workload.meta, dict) else {})
+    flops = float((workload.flops_fwd_per_seq + workload.flops_bwd_per_seq) * global_batch)
+    info = ModelInfo(
+        name=model,
+        fingerprint=str(getattr(bits, "fingerprint", "")),
+        params=int(getattr(bits, "params", workload.params)),
+        flops_per_step=flops,
+        num_layers=workload.num_layers,
+        seq_len=workload.seq,
+    )
+    return LoadedModel(workload=workload, model_info=info, blocks=blocks, module_groups=groups)
+
+
+def shardings_for(loaded: LoadedModel, best: Any, *, cluster: Any) -> tuple[tuple[ModuleSharding, ...], dict]:
+    """Per-module sharding of the chosen configuration: P1's per-block ILP, solved once per distinct block
+    (``block_plan.block_strategy`` memoizes on the block signature) and expanded to every member's FQNs."""
+    if not loaded.blocks:
+        log.info("no traced blocks (model given as a Workload): the plan carries no per-module shardings")
+        return (), {"blocks": 0}
+    from planner.search.block_plan import StrategyCache, block_strategy
+
+    s, k = best.structure, best.knobs
+    cache = StrategyCache()
+    out: dict[str, str] = {}
+    solved = 0
+    for block in loaded.blocks:
+        strat = block_strategy(block, tp=s.tp, cp=s.cp, ep=s.ep, microbatch=s.microbatch, seq=loaded.workload.seq,
+                               sequence_parallel=k.sequence_parallel, recompute=k.recompute, cluster=cluster,
+                               cache=cache)
+        solved += 0 if strat.solver.get("cached") else 1
+        prefix = block.name if getattr(block, "kind", "") == "transformer" else ""
+        for m in strat.shardings:
+            fqn = f"{prefix}.{m.fqn}" if prefix and m.fqn else (m.fqn or prefix)
+            out.setdefault(fqn, m.style)
+    shardings = tuple(ModuleSharding(fqn=f, style=style) for f, style in out.items())  # execution order
+    return shardings, {"blocks": len(loaded.blocks), "solved": solved}
