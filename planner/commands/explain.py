@@ -11,12 +11,19 @@ HELP = "explain a plan file: stages, per-stage time and memory, time breakdown, 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("plan", type=Path, help="a plan JSON written by `autopar plan --out`")
+    p.add_argument("--gantt", type=Path, default=None, metavar="PNG",
+                   help="also draw the pipeline schedule (per stage and micro-batch) and memory per stage")
 
 
 def run(args: argparse.Namespace) -> int:
     from planner.plan import load_plan
 
-    print(explain(load_plan(args.plan)))
+    plan = load_plan(args.plan)
+    print(explain(plan))
+    if args.gantt:
+        from planner.plots import plot_gantt
+
+        print(f"wrote {plot_gantt(plan, args.gantt)}")
     return 0
 
 
