@@ -350,14 +350,17 @@ def _plan_task(task: dict[str, Any]) -> tuple[int, Outcome]:
     return task["index"], outcome
 
 
-def _shared_model(model: str, seq: int | None) -> Any:
-    """Trace once in the parent: the workers receive the Workload instead of re-tracing the model."""
+def _warm_trace(model: Any, seq: int | None) -> bool:
+    """Trace once in the parent: ``planner.workload`` caches the result per process, and workers forked
+    after this start with the cache warm, so the model is traced once per sweep, not once per worker."""
+    if not isinstance(model, str):
+        return False
     try:
         from planner.workload import workload_from_model
-    except ImportError:
-        return model
-    workload, _ = workload_from_model(model, seq=seq)
-    return workload
+    except ImportError:  # the tracer is not installed: every worker traces for itself
+        return False
+    workload_from_model(model, batch=1, seq=seq)
+    return True
 
 
 def run_whatif(
@@ -378,6 +381,7 @@ def run_whatif(
 
     ``plan_fn(model, cluster, *, global_batch, seq, time_limit_s) -> Plan`` replaces the planner (a
     module-level function when ``jobs > 1``); ``on_result(done, total, row)`` is called as each case finishes.
+    ``share_trace``: trace the model once in this process and fork the workers from it (warm trace cache).
     """
     if not cases:
         raise ConfigError("no clusters to compare: give --cluster NAME|FILE or --sweep AXIS=V1,V2")
@@ -406,11 +410,11 @@ def run_whatif(
             else:
                 todo.append(i)
         if todo:
-            shared = _shared_model(model, seq) if share_trace and plan_fn is None else model
+            warm = share_trace and plan_fn is None and _warm_trace(model, seq)
             tasks = [{"index": i, "key": keys[i], "cache_dir": cache_dir,
-                      "kwargs": {"model": shared, "cluster": cases[i].cluster, "global_batch": global_batch,
+                      "kwargs": {"model": model, "cluster": cases[i].cluster, "global_batch": global_batch,
                                  "seq": seq, "time_limit_s": time_limit_s, "plan_fn": plan_fn}} for i in todo]
-            _run_tasks(tasks, jobs=min(jobs, len(tasks)), finish=finish)
+            _run_tasks(tasks, jobs=min(jobs, len(tasks)), finish=finish, fork=warm)
     except KeyboardInterrupt:
         interrupted = True
         log.warning("interrupted: keeping %d of %d finished cases", len(rows), len(cases))
@@ -422,13 +426,16 @@ def run_whatif(
     )
 
 
-def _run_tasks(tasks: list[dict[str, Any]], *, jobs: int, finish: Callable[[int, Outcome], None]) -> None:
+def _run_tasks(tasks: list[dict[str, Any]], *, jobs: int, finish: Callable[[int, Outcome], None],
+               fork: bool = False) -> None:
+    """Plan the tasks, in-process for one job; ``fork`` = workers inherit the parent's warm trace cache."""
     if jobs == 1:
         for task in tasks:
             finish(*_plan_task(task))
         return
     methods = multiprocessing.get_all_start_methods()
-    ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+    method = "fork" if fork and "fork" in methods else "forkserver" if "forkserver" in methods else "spawn"
+    ctx = multiprocessing.get_context(method)
     pool = cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_worker_init)
     try:
         futures = [pool.submit(_plan_task, t) for t in tasks]
