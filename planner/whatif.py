@@ -52,7 +52,8 @@ INTRA_KINDS = ("nvlink", "pcie")
 BITS_PER_BYTE = 8.0
 
 # Source whose change invalidates cached outcomes (relative to the repository root).
-_CODE_GLOBS = ("costmodel/*.py", "planner/search/*.py", "planner/workload.py", "planner/plan.py", "profiles/**/*")
+_CODE_GLOBS = ("costmodel/*.py", "planner/search/*.py", "planner/workload.py", "planner/trace.py",
+               "planner/graph.py", "planner/flops.py", "planner/models.py", "planner/plan.py", "profiles/**/*")
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 
 STATUS_OK = "ok"
