@@ -91,3 +91,70 @@ def test_search_equals_brute_force_with_toy_model(case):
     assert res.status == "optimal" and res.bound_s == pytest.approx(res.best.step_time_s)
     if layers == 6:
         assert res.best.structure.pp > 1  # the case must exercise pipelining
+
+
+def _toy_setup(mem=0.05):
+    wl = toy_workload(layers=6, hidden=512, heads=8, vocab=1000, seq=256)
+    cl = make_cluster("dgx-a100-80gb", 1, gpus_per_node=8)
+    return wl, cl, functools.partial(toy_estimate, mem_gb=mem)
+
+
+def test_fix_pins_choices_and_rejects_unknown_keys():
+    wl, cl, est = _toy_setup()
+    res = driver.search(workload=wl, cluster=cl, global_batch=16, estimate=est, config_type=ToyConfig,
+                        fix="tp=2,pp=2,mb=2,recompute=full")
+    s = res.best.structure
+    assert (s.tp, s.pp, s.microbatch, res.best.knobs.recompute) == (2, 2, 2, "full")
+    with pytest.raises(ConfigError, match="known keys"):
+        driver.search(workload=wl, cluster=cl, global_batch=16, estimate=est, config_type=ToyConfig, fix="tq=2")
+    with pytest.raises(ConfigError, match="tp=3 pp=2|relax --fix"):
+        driver.search(workload=wl, cluster=cl, global_batch=16, estimate=est, config_type=ToyConfig, fix="tp=3")
+
+
+def test_batch_not_divisible_names_nearest_valid_values():
+    wl, cl, est = _toy_setup()
+    # 8 devices, tp fixed to 1 and pp to 1: dp = 8 must divide the batch
+    with pytest.raises(ConfigError, match=r"global_batch=13 .*nearest valid global batches: \[16, 8\]"):
+        driver.search(workload=wl, cluster=cl, global_batch=13, estimate=est, config_type=ToyConfig,
+                      fix={"tp": 1, "pp": 1, "cp": 1})
+
+
+def test_expired_time_limit_returns_best_so_far_marked_feasible():
+    wl, cl, est = _toy_setup()
+    full = driver.search(workload=wl, cluster=cl, global_batch=16, estimate=est, config_type=ToyConfig)
+    cut = driver.search(workload=wl, cluster=cl, global_batch=16, estimate=est, config_type=ToyConfig, time_limit_s=0)
+    assert full.status == "optimal" and cut.status == "feasible"
+    assert cut.best.fits and cut.candidates_explored < full.candidates_explored
+    assert cut.best.step_time_s >= full.best.step_time_s
+    assert cut.bound_s <= full.best.step_time_s <= cut.best.step_time_s
+
+
+def test_search_is_deterministic():
+    wl, cl, est = _toy_setup()
+    runs = [driver.search(workload=wl, cluster=cl, global_batch=16, estimate=est, config_type=ToyConfig)
+            for _ in range(2)]
+    a, b = runs
+    assert a.best.key() == b.best.key()
+    assert [c.key() for c in a.alternatives] == [c.key() for c in b.alternatives]
+    assert len(a.alternatives) == 5 and all(c.step_time_s >= a.best.step_time_s for c in a.alternatives)
+
+
+def test_space_rules():
+    dims = sp.ModelDimsLite(heads=12, kv_heads=4, layers=10, seq=2048, experts=8)
+    assert sp.tp_choices(dims, gpus_per_node=8) == [1, 2, 4]  # divides 12 and 4, power of two, within a node
+    assert sp.ep_choices(dims, dp=12) == [1, 2, 4]  # divides experts and dp
+    opts = sp.SearchOptions()
+    structs = sp.enumerate_structures(dims=dims, num_devices=16, gpus_per_node=8, global_batch=32, options=opts)
+    for s in structs:
+        assert s.tp * s.cp * s.pp * s.dp == 16 and s.dp % s.ep == 0
+        assert s.microbatch * s.num_microbatches * s.dp == 32
+        assert s.pp * s.virtual_stages <= dims.layers
+        if s.schedule == "gpipe":
+            assert s.num_microbatches < s.pp
+        if s.schedule == "1f1b" and s.pp > 1:
+            assert s.num_microbatches >= s.pp
+        if s.schedule in ("interleaved-1f1b", "zero-bubble"):
+            assert s.num_microbatches % s.pp == 0
+    assert any(s.pp == 3 for s in sp.enumerate_structures(dims=dims, num_devices=24, gpus_per_node=8,
+                                                          global_batch=24, options=opts))  # uneven: 10 layers / 3
+    assert sp.nearest_valid_batches(global_batch=1000, dps=[64, 48]) == [1008, 1024, 960]

@@ -69,6 +69,7 @@ class SearchResult:
     bound_s: float
     candidates_explored: int
     evaluations: int
+    refined: int = 0
     time_per_phase_s: dict[str, float] = field(default_factory=dict)
     infeasible_min_memory_gb: float = math.inf
 
@@ -204,19 +205,20 @@ def _memory_limit_gb(cluster: Any) -> float:
     return min(g.node.gpu.memory_gb for g in cluster.groups)
 
 
-def _stage_dp(ctx: _Ctx, ranked: list[Candidate], misses: list[Candidate]) -> tuple[list[Candidate], int]:
+def _stage_dp(ctx: _Ctx, ranked: list[Candidate], misses: list[Candidate]) -> tuple[list[Candidate], int, bool]:
     """Uneven cuts for the best pipelined candidates (and for near misses that uneven cuts may make fit):
     every cut when there are at most ``exhaustive_cuts`` of them, else the stage DP's cut; each cut then gets
-    its own best knobs. Returns the new candidates and the number of structures refined."""
+    its own best knobs. Returns the new candidates, the number of structures refined and whether all were."""
     if not ctx.options.uneven_stages or not (ranked or misses):
-        return [], 0
+        return [], 0, True
     best_s = ranked[0].step_time_s if ranked else math.inf
     limit = best_s * (1 + ctx.options.dp_margin)
     pool = sorted([c for c in ranked + misses if c.structure.pp > 1 and c.step_time_s <= limit], key=Candidate.key)
     out, runs = [], 0
-    for c in pool[: ctx.options.dp_top_k]:
+    todo = pool[: ctx.options.dp_top_k]
+    for c in todo:
         if ctx.expired() and (ranked or out):
-            break
+            return out, runs, False
         runs += 1
         for cuts in _cut_proposals(ctx, c):
             if cuts == c.stage_layers:
@@ -224,7 +226,7 @@ def _stage_dp(ctx: _Ctx, ranked: list[Candidate], misses: list[Candidate]) -> tu
             cand, _ = _best_knobs(ctx, c.structure, cuts, uneven=True)
             if cand is not None:
                 out.append(cand)
-    return out, runs
+    return out, runs, True
 
 
 def _cut_proposals(ctx: _Ctx, c: Candidate) -> list[tuple[int, ...]]:
@@ -287,7 +289,7 @@ def search(
     best, fitting, misses, explored, status, bound = _screen(ctx, structures, bounds)
     t2 = time.perf_counter()
     ranked = sorted(fitting, key=Candidate.key)
-    improved, dp_runs = _stage_dp(ctx, ranked, misses)
+    improved, dp_runs, dp_complete = _stage_dp(ctx, ranked, misses)
     t3 = time.perf_counter()
     pool = sorted(ranked + improved, key=Candidate.key)
     if not pool:
@@ -295,12 +297,13 @@ def search(
     best = pool[0]
     if status == "optimal":
         bound = best.step_time_s
-    if ctx.expired() and status == "optimal" and len(improved) < dp_runs:
+    if not dp_complete:  # cut off while refining: those structures' bounds are all that is known
         status = "feasible"
+        bound = min([bound] + [bounds[c.structure] for c in ranked + misses])
     alternatives = _alternatives(pool, best, options.num_alternatives)
     return SearchResult(
         best=best, alternatives=alternatives, status=status, bound_s=min(bound, best.step_time_s),
-        candidates_explored=explored, evaluations=ctx.evaluations,
+        candidates_explored=explored, evaluations=ctx.evaluations, refined=dp_runs,
         time_per_phase_s={"enumerate": t1 - t0, "screen": t2 - t1, "stage_dp": t3 - t2},
     )
 
@@ -321,9 +324,8 @@ def _alternatives(pool: Sequence[Candidate], best: Candidate, n: int) -> list[Ca
 
 def _no_structure_error(ctx: _Ctx, dims: sp.ModelDimsLite) -> AutoparError:
     n = ctx.cluster.num_devices
-    relaxed = sp.enumerate_structures(dims=dims, num_devices=n, gpus_per_node=ctx.cluster.gpus_per_node,
-                                      global_batch=math.prod(range(1, 13)) * 2**10, options=ctx.options, fix=ctx.fix)
-    dps = sorted({s.dp for s in relaxed})
+    dps = sp.valid_dps(dims=dims, num_devices=n, gpus_per_node=ctx.cluster.gpus_per_node, options=ctx.options,
+                       fix=ctx.fix)
     if dps:
         near = sp.nearest_valid_batches(global_batch=ctx.global_batch, dps=dps)
         what = f" with --fix {ctx.fix}" if ctx.fix else ""

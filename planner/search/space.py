@@ -160,7 +160,8 @@ def _fix_value(key: str, value: Any) -> Any:
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
 
 
 def _pow2_upto(n: int) -> list[int]:
@@ -241,6 +242,22 @@ def enumerate_structures(
                                                  virtual_stages=v, num_microbatches=m))
     out.sort()
     return out
+
+
+def valid_dps(*, dims: ModelDimsLite, num_devices: int, gpus_per_node: int, options: SearchOptions,
+              fix: Mapping[str, Any] | None = None) -> list[int]:
+    """Data-parallel degrees some (tp, cp, pp) allows, whatever the batch (for 'nearest valid batch' hints)."""
+    fix = dict(fix or {})
+    out = set()
+    for tp in tp_choices(dims, gpus_per_node=gpus_per_node):
+        for cp in cp_choices(dims, options=options):
+            if num_devices % (tp * cp) or fix.get("tp", tp) != tp or fix.get("cp", cp) != cp:
+                continue
+            rest = num_devices // (tp * cp)
+            for pp in divisors(rest):
+                if pp <= dims.layers and fix.get("pp", pp) == pp and fix.get("dp", rest // pp) == rest // pp:
+                    out.add(rest // pp)
+    return sorted(out)
 
 
 def knob_choices(structure: Structure, *, options: SearchOptions, fix: Mapping[str, Any] | None = None) -> list[Knobs]:
