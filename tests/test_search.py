@@ -80,6 +80,7 @@ def test_search_equals_brute_force_with_toy_model(case):
     est = functools.partial(toy_estimate, mem_gb=mem)
     ref = brute_force(wl, cl, gb, est, zeros=zeros, schedules=schedules)
     opts = sp.SearchOptions(dp_margin=math.inf, dp_top_k=10**6, exhaustive_cuts=ex_cuts, zero_stages=zeros,
+                            min_tokens_per_cp_rank=1, max_virtual_stages=8,
                             schedules=schedules)
     if ref is None:
         with pytest.raises(InfeasiblePlanError, match="GB per device"):

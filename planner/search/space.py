@@ -45,7 +45,10 @@ _INT_KEYS = ("tp", "cp", "ep", "pp", "dp", "microbatch", "virtual_stages", "zero
 class SearchOptions:
     max_microbatch: int = 16
     max_cp: int = 8
-    max_virtual_stages: int = 8
+    min_tokens_per_cp_rank: int = 1024
+    """Context parallel only while each rank keeps this many tokens: below that, ring attention's blocks are
+    too small to hide their send/recv (and sequences that short do not need cp to fit)."""
+    max_virtual_stages: int = 4
     schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
     zero_bubble_virtual_stages: tuple[int, ...] = (1,)
     recompute: tuple[str, ...] = RECOMPUTE_ORDER
@@ -177,7 +180,8 @@ def tp_choices(dims: ModelDimsLite, *, gpus_per_node: int) -> list[int]:
 
 
 def cp_choices(dims: ModelDimsLite, *, options: SearchOptions) -> list[int]:
-    return [c for c in _pow2_upto(options.max_cp) if c == 1 or dims.seq % (2 * c) == 0]
+    return [c for c in _pow2_upto(options.max_cp)
+            if c == 1 or (dims.seq % (2 * c) == 0 and dims.seq // c >= options.min_tokens_per_cp_rank)]
 
 
 def ep_choices(dims: ModelDimsLite, *, dp: int) -> list[int]:
