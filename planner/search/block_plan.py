@@ -318,13 +318,16 @@ def solve_block(ops: Sequence[LayerOp], *, mesh: MeshShape, ctx: CostContext, re
     return read_solution(bp, sol, ctx=ctx, mesh=mesh, recompute=recompute)
 
 
-def block_strategy(block, *, tp: int, cp: int = 1, ep: int = 1, microbatch: int, seq: int,
+def block_strategy(block, *, graph, tp: int, cp: int = 1, ep: int = 1, microbatch: int, seq: int,
                    sequence_parallel: bool = False, recompute: str = "none", cluster, device=None,
                    dtype: str = "bf16", mem_budget_bytes: float = math.inf, state_bytes_per_param: float = 16.0,
                    activation_multiplier: float = 1.0, first_rank: int = 0,
                    options: intra_op.SolverOptions | None = None,
                    cache: StrategyCache | None = None) -> BlockStrategy:
     """The sharding of a traced ``planner.graph.Block`` on a (tp, cp, ep) submesh for one micro-batch.
+
+    ``graph`` is the ``OpGraph`` the block was found in (``planner.trace.trace``, coarsened or not); its op
+    numbers are rescaled to ``microbatch`` x ``seq`` and ``dtype``.
 
     Memoized in ``cache`` on the block's signature and every argument the answer depends on, so repeated
     blocks (the layers of a transformer) are solved once. ``mem_budget_bytes`` bounds ``state_bytes +
@@ -350,7 +353,7 @@ def block_strategy(block, *, tp: int, cp: int = 1, ep: int = 1, microbatch: int,
         hit = cache.get(key)
         if hit is not None:
             return hit
-    ops = layer_ops_from_block(block, microbatch=microbatch, seq=seq)
+    ops = layer_ops_from_block(block, graph, microbatch=microbatch, seq=seq, dtype=dtype)
     ctx = cluster_cost_context(cluster, mesh=mesh, device=gpu, dtype=dtype, first_rank=first_rank)
     result = solve_block(ops, mesh=mesh, ctx=ctx, recompute=recompute, state_bytes_per_param=state_bytes_per_param,
                          activation_multiplier=activation_multiplier, mem_budget_bytes=mem_budget_bytes,

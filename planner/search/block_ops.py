@@ -1,0 +1,299 @@
+"""From a traced block (``planner.graph.Block`` + its ``OpGraph``) to the coarse ops the sharding ILP chooses for.
+
+Rules, applied to the block's aten ops in execution order (the graph from ``planner.trace.trace``, coarsened or
+not):
+
+- a matmul that uses a 2-D weight is a linear of the weight's module; linears that read the same tensor form
+  one group op (q/k/v, gate/up: Megatron's fused projections); a linear whose output width is the number of
+  experts in the block is the MoE router;
+- attention, norm (with parameters), embedding ops are their own ops; an op with a >= 3-D weight (grouped expert
+  GEMMs) is the experts op;
+- dtype casts and copies (``aten.to``: a no-op at the training dtype) hand their input on unchanged; views
+  and ops with one activation input (activations, dropout, rotary embedding with its cos / sin inputs)
+  follow their producer's layout: their work is added to the producer;
+- an op with two activation inputs is a pointwise op, or a residual add when one input is on the residual
+  stream (the block input, or an earlier residual add);
+- the block input is the largest tensor entering from outside the block; the last residual add feeds the block
+  output.
+
+Numbers are converted to the micro-batch and sequence asked for (token-linear work scales with tokens, the
+attention core with ``batch * seq^2``) and to the training dtype's bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from costmodel.errors import UnsupportedModelError
+from planner.search.strategies import LayerOp
+
+__ALIASES = ("aten.to.", "aten._to_copy", "aten._assert", "aten.alias", "aten.clone", "aten.contiguous",
+            "aten.detach", "aten.lift_fresh")
+"""Ops that hand on (a copy of) their input: the residual stream often passes through a dtype cast."""
+DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8, "int64": 8,
+                "long": 8, "int32": 4, "bool": 1, "int8": 1, "uint8": 1}
+_ALIASES = ("aten.to.", "aten._to_copy", "aten._assert", "aten.alias", "aten.clone", "aten.contiguous",
+            "aten.detach", "aten.lift_fresh")
+"""Ops that hand on (a copy of) their input: the residual stream often passes through a dtype cast."""
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "tf32": 4}
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape) if shape else 1
+
+
+def _dtype_bytes(dtype: str) -> int:
+    return _DTYPE_BYTES.get(dtype.rsplit(".", 1)[-1], 4)
+
+
+@dataclass(kw_only=True)
+class _Acc:
+    """A LayerOp under construction."""
+
+    name: str
+    kind: str
+    inputs: list[str]
+    modules: list[str] = field(default_factory=list)
+    flops_fwd: float = 0.0
+    flops_bwd: float = 0.0
+    act_elems: float = 0.0
+    """Activation elements read + written (token-linear)."""
+    attn_flops_fwd: float = 0.0
+    attn_flops_bwd: float = 0.0
+    out_elems: float = 0.0
+    saved_elems: float = 0.0
+    params: int = 0
+    weight_elems: float = 0.0
+    op_class: str = "other"
+    out_features: list[int] = field(default_factory=list)
+    in_features: int = 0
+    tokens: int = 0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Scale:
+    tokens: float
+    attention: float
+    dtype_bytes: int
+
+
+def layer_ops_from_block(block, graph, *, microbatch: int, seq: int, dtype: str = "bf16") -> tuple[LayerOp, ...]:
+    """The coarse ops of ``block`` (see the module docstring), for ``microbatch`` sequences of ``seq`` tokens."""
+    nodes = {n.name: n for n in graph.nodes}
+    names = [n for n in block.ops if n in nodes]
+    if not names:
+        raise UnsupportedModelError(f"block {block.name!r} has no ops in the given graph; pass the graph it came from")
+    in_block = set(names)
+    preds: dict[str, list[tuple[str, float]]] = {}
+    for e in graph.edges:
+        if e.dst in in_block:
+            preds.setdefault(e.dst, []).append((e.src, e.nbytes))
+    builder = _Builder(block=block, nodes=nodes, preds=preds, in_block=in_block)
+    for name in names:
+        builder.visit(nodes[name])
+    accs = builder.finish()
+    scale = _scale_of(builder, microbatch=microbatch, seq=seq, dtype=dtype)
+    return tuple(_to_layer_op(a, scale, heads=builder.heads_of(a)) for a in accs)
+
+
+class _Builder:
+    def __init__(self, *, block, nodes, preds, in_block) -> None:
+        self.block, self.nodes, self.preds, self.in_block = block, nodes, preds, in_block
+        self.rep: dict[str, str] = {}  # aten node -> the coarse op carrying its layout
+        self.ops: dict[str, _Acc] = {}
+        self.residual: set[str] = {"input"}
+        self.last_residual = "input"
+        self.head_dim: dict[str, int] = {}
+        self.traced_tokens = 0
+        self.traced_seq = 0
+        self.norm_modules = _norm_modules([nodes[x] for x in in_block])
+        self.experts = max((p[1][0] for n in (nodes[x] for x in in_block) for p in n.params if len(p[1]) >= 3),
+                           default=0)
+        self._input()
+
+    def _input(self) -> None:
+        self.ops["input"] = _Acc(name="input", kind="input", inputs=[])
+        outside = [(s, b) for d, ps in self.preds.items() for s, b in ps if s not in self.in_block]
+        self.input_src = max(outside, key=lambda x: x[1])[0] if outside else None
+
+    def _act_inputs(self, n) -> list[str]:
+        """Coarse ops producing ``n``'s activation inputs (constants and side inputs such as rotary cos / sin
+        or the attention mask map to None and are left out)."""
+        reps = []
+        for src, _ in self.preds.get(n.name, ()):
+            r = self.rep.get(src) if src in self.in_block else ("input" if src == self.input_src else None)
+            if r is not None and r not in reps:
+                reps.append(r)
+        return reps
+
+    def _rel(self, fqn: str) -> str:
+        p = self.block.name
+        return fqn[len(p) + 1:] if p and fqn.startswith(p + ".") else fqn
+
+    def visit(self, n) -> None:
+        ins = self._act_inputs(n)
+        weights = [p for p in n.params if len(p[1]) >= 2]
+        if n.target.startswith(_ALIASES) and len(ins) <= 1 and not n.params:
+            self.rep[n.name] = ins[0] if ins else None  # type: ignore[assignment]  # same tensor, no layout change
+        elif n.module_fqn in self.norm_modules:
+            self._norm(n, ins)
+        elif n.op_class == "matmul" and weights and len(weights[0][1]) == 2:
+            self._linear(n, ins, weights[0])
+        elif weights and len(weights[0][1]) >= 3:
+            self._new(n, "experts", ins, modules=[self._rel(n.module_fqn)])
+        elif n.op_class in ("attention", "norm", "embedding"):
+            kind = {"attention": "attention", "norm": "norm", "embedding": "embedding"}[n.op_class]
+            mods = [self._rel(_module_of(n.params[0][0]))] if n.params else []
+            self._new(n, kind, ins, modules=mods)
+        elif len(ins) >= 2:
+            kind = "add" if any(i in self.residual for i in ins) else "pointwise"
+            self._new(n, kind, ins)
+            if kind == "add":
+                self.residual.add(n.name)
+                self.last_residual = n.name
+        elif ins:
+            self._fold(n, ins[0])
+        else:
+            self.rep[n.name] = None  # type: ignore[assignment]  # computed from constants / side inputs only
+
+    def _norm(self, n, ins: list[str]) -> None:
+        """All ops run inside one norm module (RMSNorm decomposes into pow, mean, rsqrt, mul) are one op."""
+        name = f"norm:{n.module_fqn}"
+        acc = self.ops.get(name)
+        if acc is None:
+            acc = _Acc(name=name, kind="norm", inputs=list(ins), modules=[self._rel(n.module_fqn)], op_class="norm")
+            self.ops[name] = acc
+        self.rep[n.name] = name
+        self._add_work(acc, n)
+        if n.output_shapes:
+            acc.out_elems = float(_numel(n.output_shapes[0]))
+
+    def _new(self, n, kind: str, ins: list[str], *, modules=()) -> _Acc:
+        acc = _Acc(name=n.name, kind=kind, inputs=list(ins), modules=list(modules), op_class=n.op_class)
+        self.ops[n.name] = acc
+        self.rep[n.name] = n.name
+        self._add_work(acc, n)
+        acc.out_elems = float(_numel(n.output_shapes[0])) if n.output_shapes else 0.0
+        if kind == "attention" and n.input_shapes and len(n.input_shapes[0]) == 4:
+            acc.out_features = [n.input_shapes[0][1], n.input_shapes[1][1]]  # (heads, kv heads as traced)
+            self.traced_seq = max(self.traced_seq, n.input_shapes[0][2])
+        return acc
+
+    def _add_work(self, acc: _Acc, n) -> None:
+        weight_elems = sum(_numel(p[1]) for p in n.params)
+        acts = sum(_numel(s) for s in n.input_shapes) + sum(_numel(s) for s in n.output_shapes) - weight_elems
+        if n.op_class == "attention":
+            acc.attn_flops_fwd += n.flops_fwd
+            acc.attn_flops_bwd += n.flops_bwd
+        else:
+            acc.flops_fwd += n.flops_fwd
+            acc.flops_bwd += n.flops_bwd
+        if n.op_class != "view":
+            acc.act_elems += max(0, acts)
+            acc.saved_elems += sum(_numel(s) for s in n.output_shapes)
+        acc.weight_elems += weight_elems
+        acc.params += weight_elems
+
+    def _fold(self, n, into: str) -> None:
+        self.rep[n.name] = into
+        acc = self.ops[into]
+        self._add_work(acc, n)
+        if n.op_class != "view" and n.output_shapes and into != "input":
+            acc.out_elems = max(acc.out_elems, float(_numel(n.output_shapes[0])))
+
+    def _linear(self, n, ins: list[str], weight) -> None:
+        out_f, in_f = weight[1]
+        src = ins[0] if ins else "input"
+        tokens = _numel(n.input_shapes[0][:-1]) if n.input_shapes else 0
+        self.traced_tokens = max(self.traced_tokens, tokens)
+        if n.input_shapes and len(n.input_shapes[0]) >= 3:
+            self.traced_seq = max(self.traced_seq, n.input_shapes[0][-2])
+        group = next((a for a in self.ops.values() if a.kind == "linear" and a.inputs == [src]
+                      and a.in_features == in_f and not self._consumed(a)), None)
+        kind = "router" if self.experts and out_f == self.experts else "linear"
+        if group is None or kind == "router":
+            group = self._new(n, kind, [src])
+            group.in_features, group.tokens = in_f, tokens
+        else:
+            self.rep[n.name] = group.name
+            self._add_work(group, n)
+            group.out_elems += float(_numel(n.output_shapes[0]))
+        group.modules.append(self._rel(_module_of(weight[0])))
+        group.out_features.append(out_f)
+        group.op_class = "matmul"
+
+    def _consumed(self, acc: _Acc) -> bool:
+        """A group is closed once a later op reads it (q/k/v are read by attention after all three)."""
+        return any(acc.name in a.inputs for a in self.ops.values())
+
+    def finish(self) -> list[_Acc]:
+        stream = self.ops[self.last_residual].out_elems if self.last_residual != "input" else 0.0
+        self.ops["input"].out_elems = stream  # the residual stream enters and leaves with one shape
+        self.ops["output"] = _Acc(name="output", kind="output", inputs=[self.last_residual], out_elems=stream)
+        return list(self.ops.values())
+
+    def heads_of(self, acc: _Acc) -> tuple[int, int, int] | None:
+        """(heads, kv_heads, head_dim) of the attention reading (or read by) ``acc``, if any."""
+        for a in self.ops.values():
+            if a.kind == "attention" and (acc is a or acc.name in a.inputs or a.name in acc.inputs):
+                feeders = [self.ops[i] for i in a.inputs if self.ops[i].kind == "linear"]
+                heads = a.out_features[0] if a.out_features else 0
+                if feeders and heads:
+                    q_out = feeders[0].out_features[0]
+                    head_dim = q_out // heads
+                    kv = feeders[0].out_features[1] // head_dim if len(feeders[0].out_features) > 1 else heads
+                    return heads, kv, head_dim
+        return None
+
+
+def _norm_modules(nodes) -> frozenset[str]:
+    """Modules whose ops use parameters, all of them 1-D (LayerNorm, RMSNorm weights and biases)."""
+    with_params: dict[str, bool] = {}
+    for n in nodes:
+        if n.params and n.module_fqn and n.op_class not in ("matmul", "embedding"):
+            one_d = all(len(p[1]) == 1 for p in n.params)
+            with_params[n.module_fqn] = with_params.get(n.module_fqn, True) and one_d
+        elif n.params and n.module_fqn:
+            with_params[n.module_fqn] = False
+    return frozenset(m for m, ok in with_params.items() if ok)
+
+
+def _module_of(param_fqn: str) -> str:
+    return param_fqn.rsplit(".", 1)[0]
+
+
+def _scale_of(b: _Builder, *, microbatch: int, seq: int, dtype: str) -> _Scale:
+    traced_seq = b.traced_seq or seq
+    traced_batch = max(1, b.traced_tokens // traced_seq) if b.traced_tokens else 1
+    tokens = (microbatch * seq) / (traced_batch * traced_seq)
+    return _Scale(tokens=tokens, attention=tokens * seq / traced_seq, dtype_bytes=DTYPE_BYTES.get(dtype, 2))
+
+
+def _to_layer_op(a: _Acc, sc: _Scale, *, heads: tuple[int, int, int] | None) -> LayerOp:
+    db = sc.dtype_bytes
+    shard_dims: tuple[int, ...] = ()
+    if a.kind in ("linear", "router"):
+        outs, fan_in = list(a.out_features), a.in_features
+        if heads and a.name != "attention":
+            h, kv, hd = heads
+            if len(outs) == 3 and outs[0] == h * hd:  # q/k/v: split whole heads
+                outs = [h, kv, kv]
+            elif fan_in == h * hd and len(outs) == 1:  # output projection: its input is whole heads
+                fan_in = h
+        shard_dims = (*outs, fan_in)
+    elif a.kind == "attention" and heads:
+        shard_dims = heads[:2]
+    elif a.kind == "embedding":
+        shard_dims = (a.out_features[0],) if a.out_features else ()
+    return LayerOp(
+        name=a.name, kind=a.kind, inputs=tuple(a.inputs), modules=tuple(a.modules),  # type: ignore[arg-type]
+        flops_fwd=a.flops_fwd * sc.tokens + a.attn_flops_fwd * sc.attention,
+        flops_bwd=a.flops_bwd * sc.tokens + a.attn_flops_bwd * sc.attention,
+        bytes_fwd=(a.act_elems * sc.tokens + a.weight_elems) * db,
+        out_bytes=a.out_elems * sc.tokens * db,
+        saved_bytes=a.saved_elems * sc.tokens * db,
+        params=int(a.params), shard_dims=shard_dims, op_class=a.op_class if a.op_class != "other" else "elementwise",
+        mnk=(int(a.tokens * sc.tokens), sum(a.out_features), a.in_features) if a.kind in ("linear", "router") else (),
+    )
+
