@@ -120,8 +120,11 @@ def compute_rate_flops(
             return peak * eff.matmul_max
         return peak * matmul_efficiency(m, n, k, device, calibration, dtype=dtype, efficiency=eff)
     if op_class == "attention":
-        large = matmul_efficiency(*_LARGE, device, calibration, dtype=dtype, efficiency=eff)
-        return peak * large * eff.attention / eff.matmul_max
+        fit = _fit_for(device, dtype, calibration)
+        if fit is None:
+            return peak * eff.attention
+        # a calibrated device: attention keeps its default ratio to large matmuls
+        return fit.tflops(*_LARGE) * 1e12 * eff.attention / eff.matmul_max
     return device.tflops("fp32") * 1e12 * eff.vector_fraction
 
 
