@@ -1,0 +1,118 @@
+"""Hand-made plans for a model (no planner needed): Megatron-style TP styles by module name, given degrees.
+
+For tests, examples and for running a configuration the user chose. ``megatron_shardings(model)`` names the
+styles the planner's intra-op search would pick for the Megatron layout: q/k/v, fc1, gate/up -> colwise;
+out/o projections, fc2, down -> rowwise; token embedding -> vocab_embedding; LM head -> vocab_head; every norm ->
+sequence_parallel. ``manual_plan(model, ...)`` wraps them with degrees, one pipeline stage per pp rank (layers
+split evenly, embedding first, norm and head last) and the schedule into a ``planner.plan.Plan`` whose
+fingerprint is the model's.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from costmodel.errors import ConfigError
+from planner.plan import (
+    ClusterInfo,
+    MeshSpec,
+    ModelInfo,
+    ModuleSharding,
+    ParallelDegrees,
+    Plan,
+    Prediction,
+    ScheduleSpec,
+    SolverStats,
+    StagePlan,
+    model_fingerprint,
+)
+
+_COLWISE = ("q_proj", "k_proj", "v_proj", "fc1", "gate_proj", "up_proj")
+_ROWWISE = ("out_proj", "o_proj", "fc2", "down_proj")
+_EMBED = ("embed_tokens",)
+_HEAD = ("lm_head",)
+
+
+def megatron_shardings(model: nn.Module, *, sequence_parallel: bool = False) -> tuple[ModuleSharding, ...]:
+    out = []
+    for fqn, mod in model.named_modules():
+        leaf = fqn.rpartition(".")[2]
+        if isinstance(mod, nn.Linear) and leaf in _COLWISE:
+            out.append(ModuleSharding(fqn=fqn, style="colwise"))
+        elif isinstance(mod, nn.Linear) and leaf in _ROWWISE:
+            out.append(ModuleSharding(fqn=fqn, style="rowwise"))
+        elif isinstance(mod, nn.Embedding) and leaf in _EMBED:
+            out.append(ModuleSharding(fqn=fqn, style="vocab_embedding"))
+        elif isinstance(mod, nn.Linear) and leaf in _HEAD:
+            out.append(ModuleSharding(fqn=fqn, style="vocab_head"))
+        elif sequence_parallel and "norm" in type(mod).__name__.lower() and any(True for _ in mod.parameters(recurse=False)):
+            out.append(ModuleSharding(fqn=fqn, style="sequence_parallel"))
+    return tuple(out)
+
+
+def _layer_list(model: nn.Module) -> tuple[str, list[str]]:
+    for fqn, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) > 0:
+            return fqn, [f"{fqn}.{i}" for i in range(len(mod))]
+    raise ConfigError(f"{type(model).__name__} has no ModuleList of layers to cut into pipeline stages")
+
+
+def _stages(model: nn.Module, *, pp: int, ranks_of: list[tuple[int, ...]]) -> tuple[StagePlan, ...]:
+    owner, layers = _layer_list(model)
+    if len(layers) < pp:
+        raise ConfigError(f"{len(layers)} layers cannot fill pp={pp} stages; choose pp <= {len(layers)}")
+    per, extra = divmod(len(layers), pp)
+    stages, lo = [], 0
+    for i in range(pp):
+        hi = lo + per + (1 if i < extra else 0)
+        stages.append(StagePlan(index=i, pp_rank=i, modules=tuple(layers[lo:hi]), ranks=ranks_of[i]))
+        lo = hi
+    return tuple(stages)
+
+
+def manual_plan(
+    model: nn.Module,
+    *,
+    tp: int = 1,
+    dp: int = 1,
+    pp: int = 1,
+    zero_stage: int = 0,
+    sequence_parallel: bool = False,
+    microbatch_size: int = 1,
+    num_microbatches: int = 1,
+    schedule: str = "1f1b",
+    seq_len: int = 0,
+    name: str = "manual",
+    shardings: tuple[ModuleSharding, ...] | None = None,
+) -> Plan:
+    """A Plan with the given degrees for ``model`` (module names from ``megatron_shardings`` when tp > 1)."""
+    degrees = ParallelDegrees(tp=tp, dp=dp, pp=pp)
+    world = degrees.world_size
+    if shardings is None:
+        shardings = megatron_shardings(model, sequence_parallel=sequence_parallel) if tp > 1 else ()
+    params = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
+    ranks_of = [tuple(r for r in range(world) if r // (world // pp) == i) for i in range(pp)]
+    return Plan(
+        model=ModelInfo(
+            name=name,
+            fingerprint=model_fingerprint(params),
+            params=sum(p.numel() for p in model.parameters()),
+            flops_per_step=0.0,
+            num_layers=len(_layer_list(model)[1]),
+            seq_len=seq_len,
+        ),
+        cluster=ClusterInfo(name="local", num_devices=world, nodes=1, gpus_per_node=world, gpu="cpu"),
+        degrees=degrees,
+        mesh=MeshSpec.from_degrees(degrees),
+        stages=_stages(model, pp=pp, ranks_of=ranks_of),
+        shardings=shardings,
+        zero_stage=zero_stage,
+        sequence_parallel=sequence_parallel,
+        schedule=ScheduleSpec(name=schedule, microbatch_size=microbatch_size, num_microbatches=num_microbatches),
+        global_batch=microbatch_size * num_microbatches * dp,
+        prediction=Prediction(
+            step_time_s=0.0, tokens_per_s=0.0, model_tflops_per_gpu=0.0, hw_tflops_per_gpu=0.0, mfu=0.0,
+            memory_gb_per_device=0.0, fits=True,
+        ),
+        solver=SolverStats(status="fixed"),
+    )

@@ -1,0 +1,315 @@
+"""Tensor and sequence parallelism from a Plan's ``ModuleSharding`` list, with DTensor ``parallelize_module``.
+
+Style -> what is applied on the plan's "tp" mesh axis (Megatron-LM, Shoeybi et al. 2019; SP: Korthikanti et al.
+2022):
+
+- ``colwise``: ``ColwiseParallel`` (weight Shard(0)); input Replicate, or Shard(-2) (the sequence dim) when
+  sequence parallel is on and the linear sits directly in the sequence-sharded stream (OPT's fc1).
+- ``rowwise``: ``RowwiseParallel`` (weight Shard(1)); output all-reduced (Replicate), or reduce-scattered to
+  Shard(-2) under sequence parallel.
+- ``vocab_embedding``: ``RowwiseParallel`` on ``nn.Embedding`` (weight Shard(0): each rank owns a vocabulary slice,
+  the masked partial lookups are all-reduced).
+- ``vocab_head``: ``ColwiseParallel`` with logits left Shard(-1) as a DTensor for the loss-parallel cross-entropy
+  (``torch.distributed.tensor.parallel.loss_parallel``). Whether that works on the backend in use is checked at
+  apply time on the real tp mesh (``loss_parallel_works``); if not, the logits are all-gathered (Replicate) and a
+  warning is logged. On gloo/CPU in torch 2.13 it works (tests/test_runtime_tp.py checks both paths).
+- ``sequence_parallel``: ``SequenceParallel(sequence_dim=-2)`` on norms: parameters Replicate DTensors, activations
+  sharded over the sequence; only meaningful with ``plan.sequence_parallel`` (otherwise treated as replicate).
+- ``replicate``: nothing.
+- ``expert``: not handled here (expert parallel is a separate transform); refused with ConfigError.
+
+Two things parallelize_module does not do and transformer code needs:
+- attention modules that reshape with an explicit head count (OPT: ``view(bsz, -1, self.num_heads, head_dim)``)
+  would silently fold heads into the sequence: ``num_heads`` / ``num_key_value_heads`` are divided by tp on the
+  parent of a colwise ``q_proj`` (Llama / Mixtral reshape with ``-1`` and need nothing).
+- under sequence parallel a "region" (the parent of colwise linears that owns no sequence-parallel norm:
+  attention, Llama's MLP) reads its input's sequence length, so its ``hidden_states`` input is all-gathered by a
+  forward pre-hook (DTensor Shard(1) -> Replicate, the backward is the matching reduce-scatter); the sequence is
+  scattered at the input of the first transformer layer (``layers.0``) and gathered again by the head.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from costmodel.errors import ConfigError, PlanMismatchError
+from planner.plan import Plan
+
+log = logging.getLogger(__name__)
+
+_TP_STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_head", "sequence_parallel")
+
+
+def apply_tensor_parallel(
+    model: nn.Module,
+    *,
+    plan: Plan,
+    mesh: DeviceMesh,
+    strict: bool = True,
+    loss_parallel_ok: bool | None = None,
+) -> nn.Module:
+    """Shard ``model`` in place over ``mesh["tp"]`` per ``plan.shardings``; returns the model.
+
+    ``strict=False`` skips plan entries whose module is not in ``model`` (a pipeline stage holds a subset).
+    ``loss_parallel_ok=None`` probes the backend; True / False forces the loss-parallel / gathered-logits path.
+    Works on meta-device models (materialise afterwards with ``runtime.materialize``).
+    """
+    tp = plan.degrees.tp
+    if tp == 1:
+        return model
+    tp_mesh = mesh["tp"]
+    styles = _styles_present(model, plan, strict=strict)
+    sp = plan.sequence_parallel
+    if "vocab_head" in styles.values() and loss_parallel_ok is None:
+        loss_parallel_ok = loss_parallel_works(tp_mesh)
+        if not loss_parallel_ok:
+            log.warning("loss-parallel cross-entropy failed on backend of mesh %s: gathering logits", tp_mesh)
+    modules = dict(model.named_modules())
+    _check_divisible(modules, styles, tp)
+    if sp:
+        _check_sp_region_covered(model, modules, styles)
+    ties = _tied_parameters(model)
+    _divide_heads(modules, styles, tp)
+    regions = _sp_regions(modules, styles) if sp else set()
+    layer_plan = {
+        fqn: _style_object(style, sp=sp, in_region=_parent(fqn) in regions, loss_parallel_ok=bool(loss_parallel_ok))
+        for fqn, style in styles.items()
+        if style in _TP_STYLES and (style != "sequence_parallel" or sp)
+    }
+    parallelize_module(model, tp_mesh, layer_plan)
+    if sp:
+        for fqn in sorted(regions):
+            modules[fqn].register_forward_pre_hook(_gather_sequence_hook(tp_mesh), with_kwargs=True)
+        first = _first_layer(modules, styles)
+        if first is not None:
+            modules[first].register_forward_pre_hook(_scatter_sequence_hook(tp_mesh), with_kwargs=True)
+    _retie(model, ties)
+    log.info("tensor parallel tp=%d sp=%s: %d modules sharded", tp, sp, len(layer_plan))
+    return model
+
+
+def loss_parallel_works(tp_mesh: DeviceMesh) -> bool:
+    """Run a tiny vocab-sharded cross-entropy (forward + backward) on ``tp_mesh`` and compare with the dense one."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = 4 * tp_mesh.size()
+    logits = torch.randn(6, vocab, generator=gen)
+    target = torch.randint(0, vocab, (6,), generator=gen)
+    device = tp_mesh.device_type
+    try:
+        dl = distribute_tensor(logits.to(device), tp_mesh, [Shard(1)]).requires_grad_(True)
+        with loss_parallel():
+            loss = F.cross_entropy(dl, target.to(device))
+            loss.backward()
+        got = loss.full_tensor() if isinstance(loss, DTensor) else loss
+        ref = logits.clone().requires_grad_(True)
+        want = F.cross_entropy(ref, target)
+        want.backward()
+        return bool(
+            torch.allclose(got.cpu(), want, atol=1e-5) and torch.allclose(dl.grad.full_tensor().cpu(), ref.grad, atol=1e-5)
+        )
+    except Exception as e:  # noqa: BLE001 - any failure means: fall back to gathered logits
+        log.warning("loss_parallel probe raised %s: %s", type(e).__name__, e)
+        return False
+
+
+# --- plan -> styles ---------------------------------------------------------------------------------------
+
+
+def _styles_present(model: nn.Module, plan: Plan, *, strict: bool) -> dict[str, str]:
+    modules = dict(model.named_modules())
+    styles: dict[str, str] = {}
+    for m in plan.shardings:
+        if m.fqn not in modules:
+            if strict:
+                raise PlanMismatchError(
+                    f"plan shards module {m.fqn!r} ({m.style}) but the model has no such module: "
+                    "re-plan for this model"
+                )
+            continue
+        if m.style == "expert":
+            raise ConfigError(
+                f"module {m.fqn}: style 'expert' (expert parallel) is not applied by apply_tensor_parallel; "
+                "use a plan with ep=1 and replicated experts"
+            )
+        styles[m.fqn] = m.style
+    return styles
+
+
+def _style_object(style: str, *, sp: bool, in_region: bool, loss_parallel_ok: bool) -> Any:
+    seq = Shard(-2)
+    if style == "colwise":
+        return ColwiseParallel(input_layouts=seq if sp and not in_region else Replicate())
+    if style == "rowwise":
+        return RowwiseParallel(output_layouts=seq if sp else Replicate())
+    if style == "vocab_embedding":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if style == "vocab_head":
+        if loss_parallel_ok:
+            return ColwiseParallel(
+                input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1), use_local_output=False
+            )
+        return ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Replicate())
+    if style == "sequence_parallel":
+        return SequenceParallel(sequence_dim=-2, use_local_output=True)
+    raise ConfigError(f"no tensor-parallel rule for style {style!r}")
+
+
+def _parent(fqn: str) -> str:
+    return fqn.rpartition(".")[0]
+
+
+def _check_divisible(modules: dict[str, nn.Module], styles: dict[str, str], tp: int) -> None:
+    for fqn, style in styles.items():
+        mod = modules[fqn]
+        if style in ("colwise", "vocab_head", "rowwise"):
+            if not isinstance(mod, nn.Linear):
+                raise ConfigError(f"module {fqn} is {type(mod).__name__}, style {style!r} needs nn.Linear")
+            n = mod.in_features if style == "rowwise" else mod.out_features
+            if n % tp:
+                raise ConfigError(f"module {fqn}: {n} features not divisible by tp={tp}; choose tp dividing {n}")
+        if style == "vocab_embedding":
+            if not isinstance(mod, nn.Embedding):
+                raise ConfigError(f"module {fqn} is {type(mod).__name__}, style vocab_embedding needs nn.Embedding")
+            if mod.num_embeddings % tp:
+                raise ConfigError(
+                    f"module {fqn}: vocabulary {mod.num_embeddings} not divisible by tp={tp}; pad the vocabulary"
+                )
+
+
+def _divide_heads(modules: dict[str, nn.Module], styles: dict[str, str], tp: int) -> None:
+    """Local head counts on attention modules that reshape with an explicit head count."""
+    for fqn, style in styles.items():
+        if style != "colwise" or not fqn.endswith("q_proj"):
+            continue
+        attn = modules[_parent(fqn)]
+        for attr in ("num_heads", "num_key_value_heads"):
+            n = getattr(attn, attr, None)
+            if isinstance(n, int):
+                if n % tp:
+                    raise ConfigError(f"{_parent(fqn)}.{attr}={n} not divisible by tp={tp}; choose tp dividing {n}")
+                setattr(attn, attr, n // tp)
+
+
+# --- sequence parallel ------------------------------------------------------------------------------------
+
+
+def _sp_regions(modules: dict[str, nn.Module], styles: dict[str, str]) -> set[str]:
+    """Parents of colwise linears that own no sequence-parallel module: their input must be gathered."""
+    sp_parents = {_parent(f) for f, s in styles.items() if s == "sequence_parallel"}
+    return {_parent(f) for f, s in styles.items() if s == "colwise" and _parent(f) not in sp_parents}
+
+
+def _first_layer(modules: dict[str, nn.Module], styles: dict[str, str]) -> str | None:
+    """``<layers>.0`` of the ModuleList holding the sequence-parallel layers, if this module holds it."""
+    for fqn, style in styles.items():
+        if style != "sequence_parallel":
+            continue
+        parts = fqn.split(".")
+        for i in range(len(parts) - 1, 0, -1):
+            owner = ".".join(parts[:i])
+            if isinstance(modules.get(owner), nn.ModuleList):
+                first = f"{owner}.0"
+                return first if first in modules else None
+    return None
+
+
+def _check_sp_region_covered(model: nn.Module, modules: dict[str, nn.Module], styles: dict[str, str]) -> None:
+    """Under SP every parameter of a layer sees only local tokens: it must be TP-sharded or SequenceParallel."""
+    first = _first_layer(modules, styles)
+    if first is None:
+        return
+    owner = _parent(first)
+    covered = [f for f, s in styles.items() if s in _TP_STYLES]
+    for name, _ in model.named_parameters():
+        if not name.startswith(owner + "."):
+            continue
+        mod_fqn = _parent(name)
+        if not any(mod_fqn == c or mod_fqn.startswith(c + ".") for c in covered):
+            raise ConfigError(
+                f"sequence parallel: parameter {name} is in the sequence-sharded layers but its module has no "
+                "colwise / rowwise / sequence_parallel style, so its gradient would be a per-rank partial sum; "
+                "plan without sequence_parallel or shard that module"
+            )
+
+
+def _gather_sequence_hook(tp_mesh: DeviceMesh):
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        if args:
+            return (_gather(args[0], tp_mesh), *args[1:]), kwargs
+        if "hidden_states" in kwargs:
+            return args, {**kwargs, "hidden_states": _gather(kwargs["hidden_states"], tp_mesh)}
+        raise ConfigError(f"{type(module).__name__}: no hidden_states input to gather for sequence parallel")
+
+    return hook
+
+
+def _scatter_sequence_hook(tp_mesh: DeviceMesh):
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        if args:
+            return (_scatter(args[0], tp_mesh), *args[1:]), kwargs
+        if "hidden_states" in kwargs:
+            return args, {**kwargs, "hidden_states": _scatter(kwargs["hidden_states"], tp_mesh)}
+        raise ConfigError(f"{type(module).__name__}: no hidden_states input to shard for sequence parallel")
+
+    return hook
+
+
+def _gather(x: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
+    # (B, T/tp, H) local -> (B, T, H) local; backward: reduce-scatter of the partial input gradients
+    return DTensor.from_local(x, tp_mesh, [Shard(1)], run_check=False).redistribute(tp_mesh, [Replicate()]).to_local()
+
+
+def _scatter(x: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
+    if x.shape[1] % tp_mesh.size():
+        raise ConfigError(
+            f"sequence parallel: sequence length {x.shape[1]} not divisible by tp={tp_mesh.size()}; "
+            "pad the sequence or plan without sequence_parallel"
+        )
+    # (B, T, H) replicated -> (B, T/tp, H) local chunk; backward: all-gather
+    return DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False).redistribute(tp_mesh, [Shard(1)]).to_local()
+
+
+# --- tied weights -----------------------------------------------------------------------------------------
+
+
+def _tied_parameters(model: nn.Module) -> list[tuple[str, str]]:
+    """(owner FQN, alias FQN) pairs of parameters shared between modules (tied embeddings)."""
+    seen: dict[int, str] = {}
+    ties = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            ties.append((seen[id(p)], name))
+        else:
+            seen[id(p)] = name
+    return ties
+
+
+def _retie(model: nn.Module, ties: list[tuple[str, str]]) -> None:
+    for owner, alias in ties:
+        src = model.get_parameter(owner)
+        dst = model.get_parameter(alias)
+        if src is dst:
+            continue
+        sp = getattr(src, "placements", None)
+        dp = getattr(dst, "placements", None)
+        if sp != dp:
+            raise ConfigError(
+                f"tied parameters {owner} ({sp}) and {alias} ({dp}) got different shardings; give both modules "
+                "matching styles (vocab_embedding + vocab_head) or untie them"
+            )
+        mod_fqn, _, attr = alias.rpartition(".")
+        setattr(model.get_submodule(mod_fqn), attr, src)
