@@ -16,7 +16,7 @@ from costmodel.errors import AutoparError
 
 # Order is the order ``autopar --help`` lists them.
 COMMANDS = (
-    "plan", "explain",
+    "trace", "plan", "explain",
     "whatif", "export", "diff",
     "calibrate",
 )

@@ -48,6 +48,8 @@ class OpNode:
     params: tuple[ParamRef, ...] = ()
     module_fqn: str = ""
     """Innermost module the op ran in (from ``nn_module_stack``); ``""`` for the root."""
+    module_type: str = ""
+    """Class name of that module (``LlamaRMSNorm``, ``Linear``): tells a norm built of pointwise ops."""
     block: str = ""
     """Block the op belongs to: ``embedding``, a layer FQN (``model.layers.3``) or ``head``."""
     covered: bool = True

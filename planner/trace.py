@@ -381,7 +381,8 @@ def _make_node(fx: Any, *, param_of: dict, grad: dict, eff_bytes: dict, causal_m
     floating = any(o.dtype.is_floating_point for o in outs)
     grad[fx.name] = floating and any(grad.get(a.name, False) for a in inputs)
     stack = fx.meta.get("nn_module_stack") or {}
-    module_fqn = list(stack.values())[-1][0] if stack else ""
+    module_fqn, module_type = list(stack.values())[-1] if stack else ("", "")
+    module_type = getattr(module_type, "__name__", str(module_type)).rsplit(".", 1)[-1]
     return OpNode(
         name=fx.name, target=str(fx.target) if name != "getitem" else "getitem", op_class=cost.op_class,
         input_shapes=tuple(s for s in in_shapes if s is not None),
@@ -390,5 +391,5 @@ def _make_node(fx: Any, *, param_of: dict, grad: dict, eff_bytes: dict, causal_m
         output_dtypes=tuple(str(o.dtype).removeprefix("torch.") for o in outs),
         flops_fwd=cost.flops_fwd, flops_bwd=cost.flops_bwd, flops_bwd_recompute=cost.flops_bwd_recompute,
         causal_fraction=cost.causal_fraction, bytes_read=read, bytes_written=written, params=tuple(params),
-        module_fqn=module_fqn.removeprefix("L__self__."), covered=cost.covered,
+        module_fqn=module_fqn.removeprefix("L__self__."), module_type=module_type, covered=cost.covered,
     )

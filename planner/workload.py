@@ -1,0 +1,138 @@
+"""From a traced model to the cost model's ``Workload`` (plain numbers per layer, for one sequence).
+
+``workload_from_model(spec, seq=)`` builds the model on meta, fingerprints its parameters (FP32 as built, the
+same triples the runtime sees), casts the meta model to bf16 (the training compute dtype: activation bytes are
+bf16 bytes), traces it and returns the ``Workload`` plus the ``ModelInfoBits`` a ``planner.plan.ModelInfo``
+needs. It is memoized per (spec, seq) by ``functools.lru_cache`` on a pure function, so planning repeatedly
+does not re-trace; ``clear_cache()`` empties it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+from costmodel.errors import ConfigError
+from costmodel.workload import LayerWork, Workload
+from planner.graph import Block, BlockGroup, OpGraph, find_block_groups, find_blocks
+from planner.models import ModelDims, build_model
+from planner.plan import model_fingerprint
+
+log = logging.getLogger(__name__)
+
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelInfoBits:
+    """What ``planner.plan.ModelInfo`` needs beyond the Workload, plus the traced graph and its blocks."""
+
+    name: str
+    fingerprint: str
+    """``planner.plan.model_fingerprint`` over the full model's ``named_parameters`` (as built)."""
+    params: int
+    num_layers: int
+    seq_len: int
+    dims: ModelDims
+    graph: OpGraph
+    blocks: tuple[Block, ...]
+    groups: tuple[BlockGroup, ...]
+    trace_time_s: float
+
+
+def workload_from_graph(graph: OpGraph, dims: ModelDims, *, name: str, batch: int = 1,
+                        blocks: list[Block] | None = None) -> Workload:
+    """Per-layer work for one sequence: embedding, each transformer layer, head (FLOPs divided by ``batch``,
+    the micro-batch the graph was traced with)."""
+    if batch < 1:
+        raise ConfigError(f"batch={batch} must be a positive integer (the micro-batch the graph was traced with)")
+    blocks = blocks if blocks is not None else find_blocks(graph)
+    layers = tuple(
+        LayerWork(name=b.name, kind=b.kind, params=b.params, flops_fwd=b.flops_fwd / batch,
+                  flops_bwd=b.flops_bwd / batch, attn_flops_fwd=b.attn_flops_fwd / batch,
+                  expert_params=b.expert_params, bytes_fwd=b.bytes_fwd / batch)
+        for b in blocks
+    )
+    n_layers = sum(1 for b in blocks if b.kind == "transformer")
+    attn = sum(b.attn_flops_fwd for b in blocks)
+    dtype = next((d for n in graph.nodes if n.op_class == "matmul" for d in n.output_dtypes), "float32")
+    meta = {
+        "module_groups": {b.name: b.modules for b in blocks if b.kind != "transformer"},
+        "attn_causal_fraction": (sum(b.attn_flops_fwd_causal for b in blocks) / attn) if attn else 1.0,
+        "flops_bwd_recompute_per_seq": sum(b.flops_bwd_recompute for b in blocks) / batch,
+        "traced_layers": graph.traced_layers,
+        "unsupported_ops": dict(graph.unsupported),
+    }
+    return Workload(
+        name=name, layers=layers, hidden=dims.hidden, heads=dims.heads, kv_heads=dims.kv_heads,
+        ffn_hidden=dims.ffn_hidden, vocab=dims.vocab, seq=dims.seq, num_layers=n_layers or dims.layers,
+        experts=dims.experts, topk=dims.topk, glu=dims.glu, dtype_bytes=_DTYPE_BYTES.get(dtype, 4),
+        tied_embeddings=dims.tied_embeddings, meta=meta,
+    )
+
+
+def workload_from_model(spec: str, *, batch: int = 1, seq: int | None = None) -> tuple[Workload, ModelInfoBits]:
+    """Trace ``spec`` (see ``planner.models``) once per (spec, seq) and return its Workload and ModelInfoBits.
+
+    The Workload is per sequence whatever ``batch`` is, so ``batch`` is only validated and the trace uses 1.
+    """
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ConfigError(f"batch={batch!r} must be a positive integer")
+    if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or seq < 1):
+        raise ConfigError(f"seq={seq!r} must be a positive integer or None (the model's default)")
+    return _traced(spec, seq)
+
+
+def clear_cache() -> None:
+    _traced.cache_clear()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TracedSpec:
+    """A spec built on meta and traced: the graph plus what only the full model knows."""
+
+    dims: ModelDims
+    graph: OpGraph
+    fingerprint: str
+    params: int
+    """``sum(p.numel())`` over the full model's parameters (the traced graph must agree)."""
+
+
+def trace_spec(spec: str, *, batch: int = 1, seq: int | None = None) -> TracedSpec:
+    """Build ``spec`` on meta, fingerprint it (as built), cast it to bf16 (meta: free) and trace it."""
+    from planner.trace import trace
+
+    bundle = build_model(spec, batch=batch, seq=seq)
+    model = bundle.model
+    named = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
+    params = sum(_numel(s) for _, s, _ in named)
+    if named and all(p.device.type == "meta" for p in model.parameters()):
+        import torch
+
+        model.to(torch.bfloat16)  # meta: no memory; the graph then carries bf16 activation bytes
+    graph = trace(model, bundle.example_inputs)
+    if graph.params != params:
+        log.warning("%s: traced ops use %d parameters of %d (the rest is unused in forward)",
+                    spec, graph.params, params)
+    return TracedSpec(dims=bundle.dims, graph=graph, fingerprint=model_fingerprint(named), params=params)
+
+
+@functools.lru_cache(maxsize=16)
+def _traced(spec: str, seq: int | None) -> tuple[Workload, ModelInfoBits]:
+    t = trace_spec(spec, batch=1, seq=seq)
+    blocks = find_blocks(t.graph)
+    workload = workload_from_graph(t.graph, t.dims, name=spec, blocks=blocks)
+    bits = ModelInfoBits(
+        name=spec, fingerprint=t.fingerprint, params=t.params, num_layers=workload.num_layers,
+        seq_len=t.dims.seq, dims=t.dims, graph=t.graph, blocks=tuple(blocks),
+        groups=tuple(find_block_groups(blocks)), trace_time_s=t.graph.trace_time_s,
+    )
+    return workload, bits
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
