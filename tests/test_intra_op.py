@@ -142,3 +142,126 @@ def test_seed_threads_and_determinism() -> None:
     b = solve(p, SolverOptions(seed=1, threads=1))
     c = solve(p, SolverOptions(seed=7, threads=2, backend="SCIP"))
     assert a.choice == b.choice and a.objective == c.objective
+
+
+# --- block_strategy on traced transformer blocks -------------------------------------------------------------
+
+GPT3_BLOCK = "gpt:layers=2,hidden=12288,heads=96,vocab=51200,seq=2048"  # GPT-3 175B's layer, two of them
+LLAMA_BLOCK = "llama:layers=2,hidden=4096,ffn=14336,heads=32,kv_heads=8,vocab=128256,seq=4096"  # Llama-3-8B's
+COLWISE = {"q_proj", "k_proj", "v_proj", "fc1", "gate_proj", "up_proj"}
+ROWWISE = {"out_proj", "o_proj", "fc2", "down_proj"}
+
+
+@pytest.fixture(scope="module")
+def traced():
+    """Trace each model once for the module (torch.export on the meta device)."""
+    from planner.graph import find_blocks
+    from planner.models import build_model
+    from planner.trace import trace
+
+    out = {}
+    for spec in (GPT3_BLOCK, LLAMA_BLOCK):
+        bundle = build_model(spec, batch=1)
+        graph = trace(bundle.model, bundle.example_inputs)
+        layers = [b for b in find_blocks(graph) if b.kind == "transformer"]
+        out[spec] = (graph, layers, bundle.dims)
+    return out
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from costmodel.profiles import make_cluster
+
+    return make_cluster("dgx-a100-80gb", 2)
+
+
+def _styles(bs) -> dict[str, str]:
+    return {m.fqn.rsplit(".", 1)[-1]: m.style for m in bs.shardings}
+
+
+@pytest.mark.parametrize("spec", [GPT3_BLOCK, LLAMA_BLOCK], ids=["gpt", "llama"])
+@pytest.mark.parametrize("sp", [False, True], ids=["allreduce", "seqpar"])
+def test_megatron_layout_and_comm_volume(traced, cluster, spec: str, sp: bool) -> None:
+    from planner.search.block_plan import StrategyCache, block_strategy
+
+    graph, layers, dims = traced[spec]
+    b, s, h = 2, dims.seq, dims.hidden
+    act_bytes = b * s * h * 2  # one bf16 activation of the residual stream
+    cache = StrategyCache()
+    for tp in (1, 2, 4, 8):
+        bs = block_strategy(layers[0], graph=graph, tp=tp, microbatch=b, seq=s, sequence_parallel=sp,
+                            cluster=cluster, cache=cache)
+        styles = _styles(bs)
+        assert bs.solver["status"] == "optimal"
+        linears = {name: st for name, st in styles.items() if name in COLWISE | ROWWISE}
+        assert len(linears) == (7 if dims.glu else 6)
+        norms = {name: st for name, st in styles.items() if "norm" in name}
+        assert len(norms) == 2
+        if tp == 1:
+            assert set(styles.values()) == {"replicate"} and bs.comm_bytes_by_kind == {}
+            continue
+        assert all(st == ("colwise" if n in COLWISE else "rowwise") for n, st in linears.items()), styles
+        assert set(norms.values()) == {"sequence_parallel" if sp else "replicate"}
+        comm = bs.comm_bytes_by_kind
+        if not sp:  # Megatron: 2 all-reduces of b*s*h forward, 2 backward
+            assert comm == {"tp_all_reduce": pytest.approx(4 * act_bytes, rel=1e-12)}
+        else:  # each all-reduce becomes an all-gather + reduce-scatter; norm weight grads all-reduced
+            assert comm["tp_all_gather"] == pytest.approx(4 * act_bytes, rel=1e-12)
+            assert comm["tp_reduce_scatter"] == pytest.approx(4 * act_bytes, rel=1e-12)
+            norm_params = sum(n for f, n in graph.param_sizes if f.startswith(layers[0].name + ".") and "norm" in f)
+            assert comm["tp_all_reduce"] == pytest.approx(2 * norm_params, rel=1e-12)
+        assert 0 < bs.comm_fwd_s < bs.time_fwd_s and 0 < bs.comm_bwd_s < bs.time_bwd_s
+
+
+def test_time_and_memory_shrink_with_tp(traced, cluster) -> None:
+    from planner.search.block_plan import block_strategy
+
+    graph, layers, dims = traced[GPT3_BLOCK]
+    runs = [block_strategy(layers[0], graph=graph, tp=tp, microbatch=1, seq=dims.seq, cluster=cluster)
+            for tp in (1, 2, 4, 8)]
+    times = [r.time_fwd_s + r.time_bwd_s for r in runs]
+    assert times == sorted(times, reverse=True)
+    params = layers[0].params
+    for tp, r in zip((1, 2, 4, 8), runs):
+        # 16 bytes/param of model states; norms and biases of row-parallel layers stay replicated.
+        assert 16 * params / tp <= r.state_bytes <= 16 * params / tp * 1.01
+    assert runs[0].activation_bytes > runs[-1].activation_bytes > 0
+
+
+def test_gqa_with_tp_over_kv_heads_replicates_attention(traced, cluster) -> None:
+    from planner.search.block_plan import block_strategy
+
+    graph, layers, dims = traced[LLAMA_BLOCK]
+    assert dims.kv_heads == 8
+    bs = block_strategy(layers[0], graph=graph, tp=16, microbatch=1, seq=dims.seq, cluster=cluster)
+    styles = _styles(bs)
+    assert {styles[n] for n in ("q_proj", "k_proj", "v_proj", "o_proj")} == {"replicate"}
+    assert (styles["gate_proj"], styles["up_proj"], styles["down_proj"]) == ("colwise", "colwise", "rowwise")
+
+
+def test_repeated_blocks_solve_once_and_fast(traced, cluster) -> None:
+    import time
+
+    from planner.search.block_plan import StrategyCache, block_strategy
+
+    graph, layers, dims = traced[GPT3_BLOCK]
+    assert layers[0].signature == layers[1].signature
+    cache = StrategyCache()
+    kw = dict(graph=graph, tp=8, microbatch=1, seq=dims.seq, sequence_parallel=True, cluster=cluster, cache=cache)
+    start = time.perf_counter()
+    first = block_strategy(layers[0], **kw)
+    elapsed_s = time.perf_counter() - start
+    again = block_strategy(layers[1], **kw)
+    assert again is first and (cache.misses, cache.hits) == (1, 1)
+    assert elapsed_s < 1.0, f"solving one GPT-3 175B block at tp=8 took {elapsed_s:.3f} s"
+
+
+def test_block_memory_budget_infeasible_names_minimum(traced, cluster) -> None:
+    from planner.search.block_plan import block_strategy
+
+    graph, layers, dims = traced[GPT3_BLOCK]
+    with pytest.raises(InfeasiblePlanError, match="needs at least .* GiB per device"):
+        block_strategy(layers[0], graph=graph, tp=8, microbatch=1, seq=dims.seq, cluster=cluster,
+                       mem_budget_bytes=2**30)
+    with pytest.raises(ConfigError, match="cp=3 does not divide seq=2048"):
+        block_strategy(layers[0], graph=graph, tp=8, cp=3, microbatch=1, seq=dims.seq, cluster=cluster)
