@@ -19,6 +19,8 @@ class LoadedModel:
     model_info: ModelInfo
     blocks: tuple[Any, ...] = ()
     """``planner.graph.Block`` per layer / embedding / head, when the model was traced here."""
+    graph: Any = None
+    """The ``planner.graph.OpGraph`` the blocks were found in."""
     module_groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
     """Group names in ``workload.layers`` (``embedding``, ``head``) -> the module FQNs they stand for."""
 
@@ -47,13 +49,14 @@ def load(model: Any, *, seq: int | None, global_batch: int) -> LoadedModel:
         num_layers=workload.num_layers,
         seq_len=workload.seq,
     )
-    return LoadedModel(workload=workload, model_info=info, blocks=blocks, module_groups=groups)
+    return LoadedModel(workload=workload, model_info=info, blocks=blocks, graph=getattr(bits, "graph", None),
+                       module_groups=groups)
 
 
 def shardings_for(loaded: LoadedModel, best: Any, *, cluster: Any) -> tuple[tuple[ModuleSharding, ...], dict]:
     """Per-module sharding of the chosen configuration: P1's per-block ILP, solved once per distinct block
     (``block_plan.block_strategy`` memoizes on the block signature) and expanded to every member's FQNs."""
-    if not loaded.blocks:
+    if not loaded.blocks or loaded.graph is None:
         log.info("no traced blocks (model given as a Workload): the plan carries no per-module shardings")
         return (), {"blocks": 0}
     from planner.search.block_plan import StrategyCache, block_strategy
@@ -61,15 +64,15 @@ def shardings_for(loaded: LoadedModel, best: Any, *, cluster: Any) -> tuple[tupl
     s, k = best.structure, best.knobs
     cache = StrategyCache()
     out: dict[str, str] = {}
-    solved = 0
+    solved: set[int] = set()
     for block in loaded.blocks:
-        strat = block_strategy(block, tp=s.tp, cp=s.cp, ep=s.ep, microbatch=s.microbatch, seq=loaded.workload.seq,
+        strat = block_strategy(block, graph=loaded.graph, tp=s.tp, cp=s.cp, ep=s.ep, microbatch=s.microbatch, seq=loaded.workload.seq,
                                sequence_parallel=k.sequence_parallel, recompute=k.recompute, cluster=cluster,
                                cache=cache)
-        solved += 0 if strat.solver.get("cached") else 1
+        solved.add(id(strat))
         prefix = block.name if getattr(block, "kind", "") == "transformer" else ""
         for m in strat.shardings:
             fqn = f"{prefix}.{m.fqn}" if prefix and m.fqn else (m.fqn or prefix)
             out.setdefault(fqn, m.style)
     shardings = tuple(ModuleSharding(fqn=f, style=style) for f, style in out.items())  # execution order
-    return shardings, {"blocks": len(loaded.blocks), "solved": solved}
+    return shardings, {"blocks": len(loaded.blocks), "distinct_solutions": len(solved)}
