@@ -22,7 +22,8 @@ Pure functions of (op, bytes, group, cluster). Conventions follow NCCL / nccl-te
   a tuned library picks). The slowest link of the group sets each phase's pace.
 - Achievable rates = datasheet rate x ``CommEfficiency`` (one set of constants for every case, below).
 - Calibration: a cluster whose calibration measured this accelerator (``calibration.accelerator`` equals the
-  node's GPU name, e.g. the ``local`` cluster) uses the fitted alpha and bus bandwidth of each op instead.
+  node's GPU name, e.g. the ``local`` cluster) uses the fitted alpha and bus bandwidth of each op instead, for
+  groups inside one node (a single machine measures nothing else) and for every group of ``local``.
 """
 
 from __future__ import annotations
@@ -271,9 +272,13 @@ def _hierarchical(op: str, nbytes: float, g: int, nodes: int, links: _Links) -> 
     return intra_t + inter_t, kind, "hierarchical"
 
 
-def _calibrated(op: str, nbytes: float, n: int, cluster: Cluster, kind: str) -> CommCost | None:
+def _calibrated(op: str, nbytes: float, n: int, cluster: Cluster, kind: str, nodes: int) -> CommCost | None:
+    """The fitted model of a calibration of this accelerator: for groups inside one node (what a single
+    machine can measure), or for any group of the ``local`` cluster (all its links are the loopback)."""
     cal = cluster.calibration
     if cal is None or cal.accelerator not in cluster.gpu_names:
+        return None
+    if nodes > 1 and kind != "loopback":
         return None
     fit = cal.collective_fit(op) or (cal.collective_fit("all_reduce") if op == "broadcast" else None)
     if fit is None:
@@ -298,7 +303,7 @@ def collective_time_s(
     if group.size == 1 or nbytes == 0:
         return CommCost(time_s=0.0, link_kind=links.intra_kind, bus_gbps=0.0, algorithm="none")
     kind = links.intra_kind if placement.nodes == 1 else links.nic_kind
-    calibrated = _calibrated(op, nbytes, group.size, cluster, kind)
+    calibrated = _calibrated(op, nbytes, group.size, cluster, kind, placement.nodes)
     if calibrated is not None:
         return calibrated
     if placement.nodes == 1:

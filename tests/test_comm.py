@@ -179,3 +179,17 @@ def test_trivial_and_bad_groups():
         collective_time_s("allreduce", GIB, Group(size=8), cluster)
     with pytest.raises(ConfigError, match="nbytes"):
         collective_time_s("all_reduce", -1.0, Group(size=8), cluster)
+
+
+def test_gpu_calibration_applies_inside_a_node_only():
+    fit = CollectiveFit(op="all_reduce", latency_s=1e-5, bus_gbps=200.0, max_ranks=8)
+    cal = Calibration(
+        device_name="NVIDIA A100-SXM4-80GB", accelerator="A100-SXM4-80GB", date="2026-01-01T00:00:00+00:00",
+        backend="nccl", memory_gb=80.0, matmul=(), membound=(), membound_gbps=1800.0, collectives=(),
+        matmul_fits=(), collective_fits=(fit,),
+    )  # fmt: skip
+    cluster = make_cluster("dgx-a100-80gb", 2, calibration=cal)
+    inside = collective_time_s("all_reduce", GIB, Group(size=8), cluster)
+    assert inside.algorithm == "calibrated" and _close(inside.time_s, 14 * 1e-5 + 1.75 * GIB / 200e9)
+    across = collective_time_s("all_reduce", GIB, Group(size=16), cluster)
+    assert across.algorithm != "calibrated" and across.link_kind == "infiniband"
