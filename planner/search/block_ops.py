@@ -92,7 +92,7 @@ def layer_ops_from_block(block, graph, *, microbatch: int, seq: int, dtype: str 
     builder = _Builder(block=block, nodes=nodes, preds=preds, in_block=in_block)
     for name in names:
         builder.visit(nodes[name])
-    accs = builder.finish()
+    accs = builder.finish(next((builder.rep[n] for n in reversed(names) if builder.rep.get(n)), None))
     scale = _scale_of(builder, microbatch=microbatch, seq=seq, dtype=dtype)
     return tuple(_to_layer_op(a, scale, heads=builder.heads_of(a)) for a in accs)
 
@@ -142,10 +142,13 @@ class _Builder:
             self._linear(n, ins, weights[0])
         elif weights and len(weights[0][1]) >= 3:
             self._new(n, "experts", ins, modules=[self._rel(n.module_fqn)])
-        elif n.op_class in ("attention", "norm", "embedding"):
-            kind = {"attention": "attention", "norm": "norm", "embedding": "embedding"}[n.op_class]
+        elif n.op_class == "embedding" and weights:
+            acc = self._new(n, "embedding", ins, modules=[self._rel(n.module_fqn)])
+            acc.out_features = [weights[0][1][0]]  # vocabulary rows
+            acc.tokens = _numel(n.output_shapes[0][:-1]) if n.output_shapes else 0
+        elif n.op_class in ("attention", "norm"):
             mods = [self._rel(_module_of(n.params[0][0]))] if n.params else []
-            self._new(n, kind, ins, modules=mods)
+            self._new(n, n.op_class, ins, modules=mods)
         elif len(ins) >= 2:
             kind = "add" if any(i in self.residual for i in ins) else "pointwise"
             self._new(n, kind, ins)
@@ -212,7 +215,9 @@ class _Builder:
         group = next((a for a in self.ops.values() if a.kind == "linear" and a.inputs == [src]
                       and a.in_features == in_f and not self._consumed(a)), None)
         kind = "router" if self.experts and out_f == self.experts else "linear"
-        if group is None or kind == "router":
+        if self.block.kind == "head":
+            kind, group = "head", None  # the LM head: vocabulary-parallel or replicated
+        if group is None or kind != "linear":
             group = self._new(n, kind, [src])
             group.in_features, group.tokens = in_f, tokens
         else:
@@ -227,10 +232,20 @@ class _Builder:
         """A group is closed once a later op reads it (q/k/v are read by attention after all three)."""
         return any(acc.name in a.inputs for a in self.ops.values())
 
-    def finish(self) -> list[_Acc]:
-        stream = self.ops[self.last_residual].out_elems if self.last_residual != "input" else 0.0
-        self.ops["input"].out_elems = stream  # the residual stream enters and leaves with one shape
-        self.ops["output"] = _Acc(name="output", kind="output", inputs=[self.last_residual], out_elems=stream)
+    def finish(self, last: str | None) -> list[_Acc]:
+        """Close the block: transformer layers end in their last residual add, the head in a (synthetic)
+        cross-entropy loss op, other blocks in the op producing their last value."""
+        if self.block.kind == "head":
+            heads = [a for a in self.ops.values() if a.kind == "head"]
+            if heads:
+                h = heads[-1]
+                self.ops["loss"] = _Acc(name="loss", kind="loss", inputs=[h.name], act_elems=h.out_elems,
+                                        tokens=h.tokens, op_class="reduction")
+            return list(self.ops.values())
+        end = self.last_residual if self.block.kind == "transformer" else (last or "input")
+        stream = self.ops[end].out_elems if end != "input" else 0.0
+        self.ops["input"].out_elems = stream if self.block.kind == "transformer" else 0.0
+        self.ops["output"] = _Acc(name="output", kind="output", inputs=[end], out_elems=stream)
         return list(self.ops.values())
 
     def heads_of(self, acc: _Acc) -> tuple[int, int, int] | None:
@@ -273,7 +288,7 @@ def _scale_of(b: _Builder, *, microbatch: int, seq: int, dtype: str) -> _Scale:
 def _to_layer_op(a: _Acc, sc: _Scale, *, heads: tuple[int, int, int] | None) -> LayerOp:
     db = sc.dtype_bytes
     shard_dims: tuple[int, ...] = ()
-    if a.kind in ("linear", "router"):
+    if a.kind in ("linear", "router", "head"):
         outs, fan_in = list(a.out_features), a.in_features
         if heads and a.name != "attention":
             h, kv, hd = heads
@@ -284,16 +299,20 @@ def _to_layer_op(a: _Acc, sc: _Scale, *, heads: tuple[int, int, int] | None) -> 
         shard_dims = (*outs, fan_in)
     elif a.kind == "attention" and heads:
         shard_dims = heads[:2]
-    elif a.kind == "embedding":
+    elif a.kind in ("embedding",):
         shard_dims = (a.out_features[0],) if a.out_features else ()
+    out_bytes = a.out_elems * sc.tokens * db
+    if a.kind == "loss":  # fp32 per-token statistics (max, sum of exponentials, target logit)
+        out_bytes = a.tokens * sc.tokens * 4.0
     return LayerOp(
         name=a.name, kind=a.kind, inputs=tuple(a.inputs), modules=tuple(a.modules),  # type: ignore[arg-type]
         flops_fwd=a.flops_fwd * sc.tokens + a.attn_flops_fwd * sc.attention,
         flops_bwd=a.flops_bwd * sc.tokens + a.attn_flops_bwd * sc.attention,
         bytes_fwd=(a.act_elems * sc.tokens + a.weight_elems) * db,
-        out_bytes=a.out_elems * sc.tokens * db,
+        out_bytes=out_bytes,
         saved_bytes=a.saved_elems * sc.tokens * db,
         params=int(a.params), shard_dims=shard_dims, op_class=a.op_class if a.op_class != "other" else "elementwise",
-        mnk=(int(a.tokens * sc.tokens), sum(a.out_features), a.in_features) if a.kind in ("linear", "router") else (),
+        mnk=(int(a.tokens * sc.tokens), sum(a.out_features), a.in_features)
+        if a.kind in ("linear", "router", "head") else (),
     )
 

@@ -93,11 +93,12 @@ def _cost_strategy(op: LayerOp, s: OpStrategy, *, ctx: CostContext, mesh: MeshSh
                    act_bytes=saved, memory_bytes=states + activation_multiplier * saved)
 
 
-def edge_collectives(src: OpStrategy, dst: OpStrategy, index: int, nbytes: float) -> tuple[
-        tuple[Collective, ...] | None, tuple[Collective, ...]]:
+def edge_collectives(src: OpStrategy, dst: OpStrategy, index: int, nbytes: float, *, into_output: bool = False
+                     ) -> tuple[tuple[Collective, ...] | None, tuple[Collective, ...]]:
     """Forward conversion of the producer's output into the consumer's input ``index`` (None: not
-    executable), and the backward conversion of the consumer's input gradient into the producer's layout."""
-    fwd = forward_conversion(src.out_layout, dst.in_layouts[index], nbytes)
+    executable), and the backward conversion of the consumer's input gradient into the producer's layout.
+    ``into_output``: the consumer is the block's output (the next block's input preparation)."""
+    fwd = forward_conversion(src.out_layout, dst.in_layouts[index], nbytes, at_block_boundary=into_output)
     bwd = conversion(dst.grad_layouts[index], dual(src.out_layout), nbytes)
     return fwd, bwd
 
@@ -118,8 +119,9 @@ def _boundary_collectives(src: OpStrategy, dst: OpStrategy, nbytes: float):
 
 def block_problem(ops: Sequence[LayerOp], *, mesh: MeshShape, ctx: CostContext, recompute: str = "none",
                   state_bytes_per_param: float = 16.0, activation_multiplier: float = 1.0,
-                  mem_budget_bytes: float = math.inf) -> BlockProblem:
-    """Build the pure sharding problem of a block's ops (see the module docstring)."""
+                  mem_budget_bytes: float = math.inf, periodic: bool = True) -> BlockProblem:
+    """Build the pure sharding problem of a block's ops (see the module docstring). ``periodic``: the block
+    repeats (a transformer layer), so its output feeds its own input."""
     if recompute not in RECOMPUTE_MODES:
         raise ConfigError(f"recompute={recompute!r}; choose one of {RECOMPUTE_MODES}")
     index = {op.name: i for i, op in enumerate(ops)}
@@ -137,13 +139,15 @@ def block_problem(ops: Sequence[LayerOp], *, mesh: MeshShape, ctx: CostContext, 
             i = index[src_name]
             nbytes = ops[i].out_bytes / mesh.cp
             matrix = tuple(
-                tuple(_edge_time_s(ctx, *edge_collectives(a.strategy, b.strategy, slot, nbytes), recompute)
+                tuple(_edge_time_s(ctx, *edge_collectives(a.strategy, b.strategy, slot, nbytes,
+                                                          into_output=op.kind == "output"), recompute)
                       for b in costed[j])
                 for a in costed[i]
             )
             edges.append(intra_op.ShardingEdge(src=i, dst=j, cost_s=matrix))
             triples.append((i, j, slot))
-    _add_periodic_edge(ops, costed, edges, triples, ctx=ctx, mesh=mesh, recompute=recompute)
+    if periodic:
+        _add_periodic_edge(ops, costed, edges, triples, ctx=ctx, mesh=mesh, recompute=recompute)
     problem = intra_op.ShardingProblem(
         op_names=tuple(op.name for op in ops),
         strategy_names=tuple(tuple(c.strategy.name for c in row) for row in costed),
@@ -229,7 +233,8 @@ def read_solution(bp: BlockProblem, sol: intra_op.ShardingSolution, *, ctx: Cost
         a, b = chosen[i].strategy, chosen[j].strategy
         nbytes = bp.ops[i].out_bytes / mesh.cp
         # slot -1: the periodic edge, this block's output converted into the next block's input layout
-        f, bw = _boundary_collectives(a, b, nbytes) if slot < 0 else edge_collectives(a, b, slot, nbytes)
+        f, bw = (_boundary_collectives(a, b, nbytes) if slot < 0 else
+                 edge_collectives(a, b, slot, nbytes, into_output=bp.ops[j].kind == "output"))
         again = 2 if recompute == "full" else 1
         t_f, t_b = count(f, again), count(bw)
         fwd, bwd = fwd + t_f / again, bwd + t_b + t_f * (again - 1) / again
@@ -308,10 +313,12 @@ class StrategyCache:
 
 def solve_block(ops: Sequence[LayerOp], *, mesh: MeshShape, ctx: CostContext, recompute: str = "none",
                 state_bytes_per_param: float = 16.0, activation_multiplier: float = 1.0,
-                mem_budget_bytes: float = math.inf, options: intra_op.SolverOptions | None = None) -> BlockStrategy:
+                mem_budget_bytes: float = math.inf, options: intra_op.SolverOptions | None = None,
+                periodic: bool = True) -> BlockStrategy:
     """Build, solve and read back the sharding problem of ``ops`` (no memo: see ``block_strategy``)."""
     bp = block_problem(ops, mesh=mesh, ctx=ctx, recompute=recompute, state_bytes_per_param=state_bytes_per_param,
-                       activation_multiplier=activation_multiplier, mem_budget_bytes=mem_budget_bytes)
+                       activation_multiplier=activation_multiplier, mem_budget_bytes=mem_budget_bytes,
+                       periodic=periodic)
     sol = intra_op.solve(bp.problem, options or intra_op.SolverOptions())
     log.debug("block of %d ops on %s: %s objective %.3g s in %.3f s", len(ops), mesh, sol.status, sol.objective,
               sol.solve_time_s)
@@ -357,7 +364,7 @@ def block_strategy(block, *, graph, tp: int, cp: int = 1, ep: int = 1, microbatc
     ctx = cluster_cost_context(cluster, mesh=mesh, device=gpu, dtype=dtype, first_rank=first_rank)
     result = solve_block(ops, mesh=mesh, ctx=ctx, recompute=recompute, state_bytes_per_param=state_bytes_per_param,
                          activation_multiplier=activation_multiplier, mem_budget_bytes=mem_budget_bytes,
-                         options=options)
+                         options=options, periodic=getattr(block, "kind", "transformer") == "transformer")
     if cache is not None:
         cache.put(key, result)
     return result

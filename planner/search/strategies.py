@@ -158,8 +158,13 @@ def conversion(src: Layout, dst: Layout, nbytes: float) -> tuple[Collective, ...
     return (Collective(kind=kind, nbytes=nbytes),)
 
 
-def forward_conversion(src: Layout, dst: Layout, nbytes: float) -> tuple[Collective, ...] | None:
-    """Like ``conversion`` for the forward pass, or None when the runtime cannot perform the change."""
+def forward_conversion(src: Layout, dst: Layout, nbytes: float, *, at_block_boundary: bool = False
+                       ) -> tuple[Collective, ...] | None:
+    """Like ``conversion`` for the forward pass, or None when the runtime cannot perform the change. At a block
+    boundary a replicated tensor may also be sliced along the sequence (PrepareModuleInput on the next block,
+    input_layouts=Replicate(), desired_input_layouts=Shard(1))."""
+    if at_block_boundary and (src, dst) == ("R", "S_seq"):
+        return ()
     if src != dst and (src, dst) not in EXECUTABLE_CONVERSIONS:
         return None
     return conversion(src, dst, nbytes)
@@ -240,10 +245,11 @@ def _pointwise(op: LayerOp, mesh: MeshShape) -> list[OpStrategy]:
 
 
 def _boundary(op: LayerOp, mesh: MeshShape) -> list[OpStrategy]:
-    out = [_same("R", "replicate", "R", len(op.inputs), 1.0)]
+    """A block's input / output: replicated, or sequence-sharded when sequence parallelism is on (then every
+    block boundary is, so that consecutive blocks agree)."""
     if mesh.tp > 1 and mesh.sequence_parallel:
-        out.append(_same("S_seq", "sequence_parallel", "S_seq", len(op.inputs), 1 / mesh.tp))
-    return out
+        return [_same("S_seq", "sequence_parallel", "S_seq", len(op.inputs), 1 / mesh.tp)]
+    return [_same("R", "replicate", "R", len(op.inputs), 1.0)]
 
 
 def _embedding(op: LayerOp, mesh: MeshShape) -> list[OpStrategy]:
@@ -257,7 +263,7 @@ def _embedding(op: LayerOp, mesh: MeshShape) -> list[OpStrategy]:
 
 def _head(op: LayerOp, mesh: MeshShape) -> list[OpStrategy]:
     out = [_same("replicate", "replicate", "R", 1, 1.0)]
-    if mesh.tp > 1 and _divides(mesh.tp, op.shard_dims):
+    if mesh.tp > 1 and _divides(mesh.tp, op.shard_dims[:1]):  # shard_dims = (vocab, hidden)
         out.append(OpStrategy(name="vocab_head", style="vocab_head", in_layouts=("R",), grad_layouts=("P",),
                               out_layout="S_hid", work_fraction=1 / mesh.tp, param_fraction=1 / mesh.tp,
                               act_fraction=1 / mesh.tp, matmul_split="n"))
