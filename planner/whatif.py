@@ -263,13 +263,20 @@ def code_fingerprint(root: Path = _REPO_ROOT) -> str:
     return h.hexdigest()[:16]
 
 
-def case_key(*, model: str, cluster: Any, global_batch: int, seq: int | None, time_limit_s: float | None,
-             code: str) -> str:
-    """Hash of everything that decides a case's outcome."""
-    model_id = model
+def _model_id(model: Any) -> str:
+    """A spec string (plus the content of the file it names), or the repr of a ``(Workload, ModelInfo)``."""
+    if not isinstance(model, str):
+        return "object:" + hashlib.sha256(repr(model).encode()).hexdigest()
     path = Path(model.split(":")[0]) if not model.startswith(("gpt:", "llama:", "mixtral:")) else None
     if path is not None and path.is_file():
-        model_id += ":" + hashlib.sha256(path.read_bytes()).hexdigest()
+        return model + ":" + hashlib.sha256(path.read_bytes()).hexdigest()
+    return model
+
+
+def case_key(*, model: Any, cluster: Any, global_batch: int, seq: int | None, time_limit_s: float | None,
+             code: str) -> str:
+    """Hash of everything that decides a case's outcome."""
+    model_id = _model_id(model)
     blob = json.dumps(
         {"model": model_id, "cluster": repr(cluster), "global_batch": global_batch, "seq": seq,
          "time_limit_s": time_limit_s, "code": code},
@@ -365,7 +372,7 @@ def _warm_trace(model: Any, seq: int | None) -> bool:
 
 
 def run_whatif(
-    model: str,
+    model: Any,
     cases: list[ClusterCase],
     *,
     global_batch: int,
@@ -378,7 +385,8 @@ def run_whatif(
     share_trace: bool = True,
     on_result: Callable[[int, int, dict[str, Any]], None] | None = None,
 ) -> WhatIfResult:
-    """Plan ``model`` on every case; rows in case order. Ctrl-C (KeyboardInterrupt) keeps finished rows.
+    """Plan ``model`` (a spec, or a ``(Workload, ModelInfo)`` pair as ``plan_model`` takes) on every case; rows
+    in case order. Ctrl-C (KeyboardInterrupt) keeps finished rows.
 
     ``plan_fn(model, cluster, *, global_batch, seq, time_limit_s) -> Plan`` replaces the planner (a
     module-level function when ``jobs > 1``); ``on_result(done, total, row)`` is called as each case finishes.

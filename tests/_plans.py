@@ -105,3 +105,29 @@ def standin_plan(model, cluster, *, global_batch: int, seq=None, time_limit_s=No
 
     return replace(plan, cluster=ClusterInfo(name=cluster.name, num_devices=n, nodes=cluster.nodes,
                                              gpus_per_node=cluster.gpus_per_node, gpu=node.gpu.name))
+
+
+def gpt_workload(*, layers: int = 8, hidden: int = 1024, heads: int = 16, vocab: int = 32000, seq: int = 2048):
+    """A ``(Workload, ModelInfo)`` pair of a GPT (4h MLP) by the SC21 formulas, without tracing anything."""
+    from costmodel.workload import LayerWork, Workload
+    from planner.plan import ModelInfo
+
+    h, s = hidden, seq
+    attn_core = 4.0 * s * s * h  # QK^T and AV, dense (2 * 2 s^2 h)
+    per_layer = LayerWork(name="", kind="transformer", params=12 * h * h + 13 * h, flops_fwd=24.0 * s * h * h + attn_core,
+                          flops_bwd=2 * (24.0 * s * h * h + attn_core), attn_flops_fwd=attn_core,
+                          bytes_fwd=2.0 * 34 * s * h)
+    embed = LayerWork(name="embedding", kind="embedding", params=(vocab + s) * h, flops_fwd=0.0, flops_bwd=0.0,
+                      bytes_fwd=2.0 * s * h)
+    head = LayerWork(name="head", kind="head", params=0, flops_fwd=2.0 * s * h * vocab, flops_bwd=4.0 * s * h * vocab,
+                     bytes_fwd=2.0 * s * vocab)
+    from dataclasses import replace
+
+    body = tuple(replace(per_layer, name=f"model.layers.{i}") for i in range(layers))
+    w = Workload(name=f"gpt-test-{layers}x{hidden}", layers=(embed, *body, head), hidden=h, heads=heads,
+                 kv_heads=heads, ffn_hidden=4 * h, vocab=vocab, seq=s, num_layers=layers, tied_embeddings=True,
+                 meta={"module_groups": {"embedding": ("model.embed_tokens", "model.embed_positions"),
+                                         "head": ("model.final_layer_norm", "lm_head")}})
+    info = ModelInfo(name=w.name, fingerprint="sha256:test", params=w.params,
+                     flops_per_step=w.flops_fwd_per_seq + w.flops_bwd_per_seq, num_layers=layers, seq_len=s)
+    return w, info

@@ -107,3 +107,24 @@ def test_diff_lists_changes_and_effect():
     assert "25.0% faster" in d.summary()
     assert "degrees" in format_diff(d)
     assert diff_plans(a, a).identical
+
+
+def test_export_and_diff_commands(tmp_path, capsys):
+    from planner.cli import main
+    from planner.plan import save_plan
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    save_plan(make_plan(schedule="zero-bubble"), a)
+    save_plan(make_plan(tp=4, pp=2, step_time_s=1.0), b)
+    assert main(["export", str(a), "--to", "megatron"]) == 0
+    out, err = capsys.readouterr()
+    assert "--tensor-model-parallel-size 2" in out and "not expressible in megatron: schedule zero-bubble" in err
+    assert main(["export", str(a), "--to", "deepspeed", "--out", str(tmp_path / "ds.json")]) == 0
+    assert json.loads((tmp_path / "ds.json").read_text())["zero_optimization"]["stage"] == 1
+    capsys.readouterr()
+    assert main(["diff", str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    assert "tp=2 cp=1 pp=4" in out and "50.0% faster" in out
+    (tmp_path / "bad.json").write_text("{")
+    assert main(["export", str(tmp_path / "bad.json"), "--to", "megatron"]) == 1
+    assert "not valid JSON" in capsys.readouterr().err
