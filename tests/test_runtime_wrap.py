@@ -1,0 +1,84 @@
+"""auto_wrap / ParallelModel on 2 gloo ranks: plan file in, same numbers as one process, refusals, checkpoints.
+
+- a plan file from rank 0's disk, broadcast, applied: losses / gradients / parameters equal the single-process
+  model over ``runtime_cases.STEPS`` steps (rtol=1e-4, atol=1e-5), with each rank handed only its own batch share;
+- a plan for another model (fingerprint) and for another world size are refused with PlanMismatchError on every
+  rank, naming the numbers;
+- ``state_dict`` -> torch.distributed.checkpoint -> a model with another plan (tp2 -> dp2 FSDP2) and another seed:
+  ``load_state_dict`` restores exactly the saved parameters (resharded on load).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import runtime_cases as rc
+from dist_utils import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+
+def _wrap_body(rank: int, world_size: int, tmp: str) -> dict:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from costmodel.errors import PlanMismatchError
+    from planner.plan import save_plan
+    from runtime import auto_wrap
+    from runtime.manual_plan import manual_plan
+
+    out: dict = {}
+    model = rc.opt_model()
+    plan_path = f"{tmp}/plan_tp2_sp.json"
+    if rank == 0:
+        save_plan(manual_plan(model, tp=2, sequence_parallel=True, microbatch_size=2, num_microbatches=2), plan_path)
+    dist.barrier()
+    pm = auto_wrap(model, (torch.zeros(4, rc.SEQ, dtype=torch.long),), loss_fn=rc.loss_fn, plan=plan_path)
+    out["plan_degrees"] = (pm.plan.degrees.tp, pm.plan.degrees.dp, pm.plan.sequence_parallel)
+    out["run"] = rc.parallel_run(pm, 4)
+
+    # checkpoint under tp2, restore under dp2 x FSDP2 (other layout, other seed)
+    dcp.save(pm.state_dict(), checkpoint_id=f"{tmp}/ckpt")
+    saved = {n: rc.full(p) for n, p in pm.named_parameters()}
+    other = rc.opt_model()
+    pm2 = auto_wrap(
+        other, None, loss_fn=rc.loss_fn, plan=manual_plan(other, dp=2, zero_stage=3, microbatch_size=2), seed=123
+    )
+    before = {n: rc.full(p) for n, p in pm2.named_parameters()}
+    sd = pm2.state_dict()
+    dcp.load(sd, checkpoint_id=f"{tmp}/ckpt")
+    pm2.load_state_dict(sd)
+    after = {n: rc.full(p) for n, p in pm2.named_parameters()}
+    out["ckpt"] = {"saved": saved, "before": before, "after": after}
+
+    # refusals
+    llama = rc.llama_model()
+    errors = {}
+    for what, plan in (
+        ("other model", manual_plan(llama, tp=2, microbatch_size=2)),
+        ("other world size", manual_plan(rc.opt_model(), tp=2, dp=2, microbatch_size=1)),
+    ):
+        try:
+            auto_wrap(rc.opt_model(), None, loss_fn=rc.loss_fn, plan=plan)
+            errors[what] = None
+        except PlanMismatchError as e:
+            errors[what] = str(e)
+    out["errors"] = errors
+    return out
+
+
+def test_auto_wrap_two_ranks(tmp_path):
+    results = run_distributed(_wrap_body, world_size=2, args=(str(tmp_path),), timeout_s=240)
+    ref = rc.reference_run("opt", 4)
+    for rank, res in enumerate(results):
+        assert res["plan_degrees"] == (2, 1, True)
+        rc.compare(res["run"], ref, what=f"auto_wrap plan file rank {rank}")
+        ck = res["ckpt"]
+        assert set(ck["after"]) == set(ck["saved"])
+        for n, w in ck["saved"].items():
+            torch.testing.assert_close(ck["after"][n], w, rtol=0, atol=0, msg=lambda m: f"restored {n}: {m}")
+        assert any(not torch.equal(ck["before"][n], w) for n, w in ck["saved"].items())  # the load did something
+        other_model, other_world = res["errors"]["other model"], res["errors"]["other world size"]
+        assert other_model is not None and "fingerprint" in other_model
+        assert other_world is not None and "world size 4" in other_world and "2 ranks are running" in other_world
