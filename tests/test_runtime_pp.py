@@ -418,3 +418,49 @@ def test_pipeline_tp_dp_pp4_4_ranks_match_single_process():
     print({n: round(results[0][n]["time_s"], 2) for n in names})
     for name in names:
         _check_case(name, CASES_4[name], [results[r][name] for r in range(4)])
+
+
+# --- unit: torch's multi-chunk schedule orders == the cost model's -----------------------------------------
+
+
+def _torch_rank_orders(cls, *, pp: int, m: int, v: int):
+    """The compute actions torch's schedule class lays out per rank (its private order builder, no stages needed;
+    the distributed tests above record what actually ran for a few configurations)."""
+    from costmodel.pipeline import Action
+    from torch.distributed.pipelining import schedules as S
+
+    kind = {S._ComputationType.FORWARD: "F", S._ComputationType.FULL_BACKWARD: "B",
+            S._ComputationType.BACKWARD_INPUT: "B", S._ComputationType.BACKWARD_WEIGHT: "W"}
+    s = object.__new__(cls)
+    s.pp_group_size, s.n_local_stages, s._n_microbatches = pp, v, m
+    s.number_of_rounds = max(1, m // pp)
+    s.microbatches_per_round = m // s.number_of_rounds
+    return tuple(
+        tuple(Action(chunk=a.stage_index, kind=kind[a.computation_type], microbatch=a.microbatch_index)
+              for a in s._calculate_single_rank_operations(r) if a is not None)
+        for r in range(pp)
+    )
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zero-bubble"])
+def test_cost_model_orders_and_inflight_match_torch_multi_chunk_schedules(schedule):
+    from costmodel.pipeline import inflight_microbatches, rank_orders
+    from torch.distributed.pipelining import schedules as S
+
+    cls = S.ScheduleInterleaved1F1B if schedule == "interleaved-1f1b" else S.ScheduleInterleavedZeroBubble
+    checked = 0
+    for pp in (2, 3, 4, 8):
+        for v in (1, 2, 3):
+            for m in (pp, 2 * pp, 3 * pp, 4 * pp):
+                want = _torch_rank_orders(cls, pp=pp, m=m, v=v)
+                assert rank_orders(schedule, pp=pp, num_microbatches=m, virtual_stages=v) == want, (pp, v, m)
+                for r in range(pp):
+                    held = peak = 0
+                    for a in want[r]:
+                        held += a.kind == "F"
+                        held -= a.kind == ("W" if schedule == "zero-bubble" else "B")
+                        peak = max(peak, held)
+                    got = inflight_microbatches(schedule, pp=pp, stage=r, num_microbatches=m, virtual_stages=v)
+                    assert got == peak / v, (pp, v, m, r)
+                checked += 1
+    assert checked == 48
