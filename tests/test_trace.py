@@ -1,0 +1,190 @@
+"""planner.trace: FLOPs against Megatron Eq. 3 and hand-derived counts, exact totals under the depth shortcut,
+typed errors for untraceable models, the ``autopar trace`` output."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn as nn
+
+from costmodel.errors import UnsupportedModelError
+from planner.flops import causal_fraction
+from planner.models import build_model
+from planner.trace import trace
+
+SMALL_LLAMA = "llama:layers=4,hidden=128,ffn=256,heads=4,kv_heads=2,vocab=500,seq=64"
+SMALL_MIXTRAL = "mixtral:layers=3,hidden=128,ffn=192,heads=4,kv_heads=2,vocab=500,seq=32,experts=4,topk=2"
+
+
+def megatron_eq3(*, B, s, l, h, V) -> float:
+    """SC21 Eq. 3 without recomputation: forward + backward FLOPs, dense attention."""
+    return 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
+
+
+def _trace(spec: str, **kw):
+    b = build_model(spec, **kw)
+    return b, trace(b.model, b.example_inputs)
+
+
+@pytest.mark.parametrize("name,batch", [("megatron-1.7b", 1), ("megatron-18b", 2), ("gpt3-175b", 1)])
+def test_gpt_presets_match_megatron_eq3(name, batch):
+    b, g = _trace(name, batch=batch)
+    d = b.dims
+    assert g.params == sum(p.numel() for p in b.model.parameters())
+    eq3 = megatron_eq3(B=batch, s=d.seq, l=d.layers, h=d.hidden, V=d.vocab)
+    assert g.model_flops == pytest.approx(eq3, rel=0.01)
+    assert g.traced_layers < d.layers == len(g.layer_fqns)
+
+
+def test_hf_gpt2_totals_exact():
+    b, g = _trace("gpt2")
+    l, h, s, V = 12, 768, 1024, 50257
+    layer_fwd = 24 * s * h * h + 4 * s * s * h  # qkv, proj, 4h MLP; QK^T and AV (dense)
+    fwd = l * layer_fwd + 2 * s * h * V
+    assert g.params == 124_439_808
+    assert g.flops_fwd == pytest.approx(fwd, rel=1e-9)
+    assert g.model_flops == pytest.approx(3 * fwd, rel=1e-9)
+    # executed backward: matmuls 2x, attention 2.5x (flash recomputes QK^T)
+    assert g.flops_bwd == pytest.approx(2 * fwd + 0.5 * l * 4 * s * s * h, rel=1e-9)
+    assert g.unsupported == ()
+
+
+def _attn(s, h):
+    return 4 * s * s * h
+
+
+def test_small_llama_hand_derived():
+    b, g = _trace(SMALL_LLAMA)
+    l, h, ffn, heads, kv, V, s = 4, 128, 256, 4, 2, 500, 64
+    hd = h // heads
+    proj = 2 * s * h * (h + 2 * kv * hd + h)  # q, k, v, o
+    mlp = 2 * s * h * ffn * 3  # gate, up, down
+    head = 2 * s * h * V
+    fwd = l * (proj + mlp + _attn(s, h)) + head
+    assert g.flops_fwd == pytest.approx(fwd, rel=1e-9)
+    assert g.flops_bwd == pytest.approx(2 * (fwd - l * _attn(s, h)) + 2.5 * l * _attn(s, h), rel=1e-9)
+    assert g.model_flops == pytest.approx(3 * fwd, rel=1e-9)
+    causal = 3 * (fwd - l * _attn(s, h)) + 3 * l * _attn(s, h) * (s + 1) / (2 * s)
+    assert g.model_flops_causal == pytest.approx(causal, rel=1e-9)
+    assert g.params == sum(p.numel() for p in b.model.parameters())
+    emb = [n for n in g.nodes if n.op_class == "embedding"]
+    assert len(emb) == 1 and emb[0].flops_fwd == 0 and emb[0].flops_bwd == 0
+
+
+def test_small_mixtral_counts_only_routed_experts():
+    b, g = _trace(SMALL_MIXTRAL)
+    l, h, ffn, heads, kv, V, s, E, k = 3, 128, 192, 4, 2, 500, 32, 4, 2
+    hd = h // heads
+    proj = 2 * s * h * (h + 2 * kv * hd + h)
+    router = 2 * s * h * E
+    experts_all = E * s * 2 * h * ffn * 3  # what running every expert on every token would cost
+    experts = experts_all * k / E
+    fwd = l * (proj + router + experts + _attn(s, h)) + 2 * s * h * V
+    assert g.flops_fwd == pytest.approx(fwd, rel=1e-9)
+    assert g.model_flops == pytest.approx(3 * fwd, rel=1e-9)
+    expert_nodes = [n for n in g.nodes if ".experts" in n.module_fqn and n.op_class == "matmul"]
+    assert sum(n.flops_fwd for n in expert_nodes) == pytest.approx(l * experts, rel=1e-9)
+    assert g.params == sum(p.numel() for p in b.model.parameters())
+    # the batched_mm weight gather is not counted as moving T*k copies of the weights
+    gathers = [n for n in g.nodes if n.target.startswith("aten.index") and n.params]
+    assert gathers and all(n.bytes_written <= sum(
+        torch.Size(sh).numel() for _, sh, _ in n.params) * 4 for n in gathers)
+
+
+def test_shortcut_equals_full_depth_trace():
+    b = build_model(SMALL_LLAMA)
+    short = trace(b.model, b.example_inputs)
+    full = trace(b.model, b.example_inputs, full_depth=True)
+    assert short.traced_layers == 2 and full.traced_layers == 4
+    assert len(b.model.model.layers) == 4  # the model is restored after the shortcut
+    for attr in ("params", "flops_fwd", "flops_bwd", "model_flops"):
+        assert getattr(short, attr) == getattr(full, attr)
+    key = lambda g: Counter((n.target, n.module_fqn, n.output_shapes, n.params) for n in g.nodes)  # noqa: E731
+    assert key(short) == key(full)
+    mod = lambda g: {n.name: n.module_fqn for n in g.nodes}  # noqa: E731
+    edges = lambda g: Counter((mod(g)[e.src], mod(g)[e.dst], e.nbytes) for e in g.edges)  # noqa: E731
+    assert edges(short) == edges(full)
+    names = {n.name for n in short.nodes}
+    assert all(e.src in names and e.dst in names for e in short.edges)
+
+
+def test_backward_is_not_blindly_twice_forward():
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+    x = torch.zeros(4, 32, device="meta")
+    g = trace(model, (x,))
+    first, second = [n for n in g.nodes if n.op_class == "matmul"]
+    assert first.flops_fwd == 2 * 4 * 32 * 64
+    assert first.flops_bwd == first.flops_fwd  # raw input needs no gradient: weight gradient only
+    assert second.flops_bwd == 2 * second.flops_fwd
+    assert {p[0] for p in first.params} == {"0.weight", "0.bias"}
+    assert first.module_fqn == "0"
+
+
+def test_causal_fraction():
+    assert causal_fraction(4, 4) == pytest.approx(10 / 16)
+    assert causal_fraction(1, 8) == 1.0
+    assert causal_fraction(2048, 2048) == pytest.approx(0.5, abs=1e-3)
+
+
+class _DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if y.sum() > 0:  # data-dependent: meta tensors have no values
+            return y * 2
+        return y
+
+
+def test_untraceable_model_gives_typed_error_with_suggestion():
+    with torch.device("meta"):
+        model = _DataDependent()
+    with pytest.raises(UnsupportedModelError) as e:
+        trace(model, (torch.zeros(2, 8, device="meta"),))
+    msg = str(e.value)
+    assert "Suggestion:" in msg and "_DataDependent" in msg
+    assert "test_trace.py" in msg  # names the source line
+    assert "Traceback" not in msg
+
+
+def test_coverage_lists_ops_without_rule():
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.erfinv(self.lin(x)).cosh()
+
+    with torch.device("meta"):
+        model = Odd()
+    g = trace(model, (torch.zeros(2, 8, device="meta"),))
+    assert dict(g.unsupported) == {"erfinv.default": 1, "cosh.default": 1}
+
+
+def test_cli_json_and_table(capsys):
+    from planner.cli import main
+
+    spec = "gpt:layers=3,hidden=64,heads=4,vocab=100,seq=16"
+    assert main(["trace", "--model", spec, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("params", "flops_fwd", "flops_bwd", "num_nodes", "blocks", "unsupported_ops", "trace_time_s"):
+        assert key in out
+    assert [b["repeat"] for b in out["blocks"]] == [1, 3, 1]
+    for blk in out["blocks"]:
+        assert {"name", "repeat", "params", "flops_fwd"} <= set(blk)
+    assert sum(b["params"] * b["repeat"] for b in out["blocks"]) == out["params"]
+    assert sum(b["flops_fwd"] * b["repeat"] for b in out["blocks"]) == pytest.approx(out["flops_fwd"])
+    assert main(["trace", "--model", spec]) == 0
+    text = capsys.readouterr().out
+    assert "traced 2 of 3 layers; 3 identical blocks" in text
+    assert "model.decoder.layers.0-2" in text
+    assert main(["trace", "--model", "nonsense"]) == 1
+    assert "unknown model spec" in capsys.readouterr().err
