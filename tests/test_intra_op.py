@@ -265,3 +265,75 @@ def test_block_memory_budget_infeasible_names_minimum(traced, cluster) -> None:
                        mem_budget_bytes=2**30)
     with pytest.raises(ConfigError, match="cp=3 does not divide seq=2048"):
         block_strategy(layers[0], graph=graph, tp=8, cp=3, microbatch=1, seq=dims.seq, cluster=cluster)
+
+
+def test_context_parallel_and_recompute(traced, cluster) -> None:
+    from planner.search.block_plan import block_strategy
+
+    graph, layers, dims = traced[GPT3_BLOCK]
+    b, s, h, tp, cp = 1, dims.seq, dims.hidden, 4, 2
+    bs = block_strategy(layers[0], graph=graph, tp=tp, cp=cp, microbatch=b, seq=s, cluster=cluster)
+    comm = bs.comm_bytes_by_kind
+    local_act = b * (s // cp) * h * 2  # each cp rank holds s/cp tokens
+    assert comm["tp_all_reduce"] == pytest.approx(4 * local_act, rel=1e-12)
+    # Ring attention: this rank's heads of K and V (2 * b*s*h/tp, full sequence) gathered forward and again
+    # backward, their gradients reduce-scattered.
+    kv_bytes = 2 * b * s * h * 2 / tp
+    assert comm["cp_all_gather"] == pytest.approx(2 * kv_bytes, rel=1e-12)
+    assert comm["cp_reduce_scatter"] == pytest.approx(kv_bytes, rel=1e-12)
+
+    none = block_strategy(layers[0], graph=graph, tp=tp, microbatch=b, seq=s, cluster=cluster)
+    full = block_strategy(layers[0], graph=graph, tp=tp, microbatch=b, seq=s, cluster=cluster, recompute="full")
+    sel = block_strategy(layers[0], graph=graph, tp=tp, microbatch=b, seq=s, cluster=cluster, recompute="selective")
+    assert full.activation_bytes < sel.activation_bytes < none.activation_bytes
+    assert none.time_bwd_s < sel.time_bwd_s < full.time_bwd_s
+    assert full.time_fwd_s == pytest.approx(none.time_fwd_s, rel=1e-12)
+    # Full recomputation replays the 2 forward all-reduces inside backward.
+    assert full.comm_bytes_by_kind["tp_all_reduce"] == pytest.approx(6 * b * s * h * 2, rel=1e-12)
+
+
+def test_experts_over_ep_use_all_to_all(cluster) -> None:
+    from planner.search.block_plan import cluster_cost_context, solve_block
+    from planner.search.strategies import LayerOp, MeshShape
+
+    tokens, h, topk = 4096, 4096, 2
+    act = tokens * h * 2.0
+    ops = [
+        LayerOp(name="input", kind="input", out_bytes=act),
+        LayerOp(name="norm", kind="norm", inputs=("input",), modules=("norm",), bytes_fwd=2 * act, out_bytes=act,
+                saved_bytes=act, params=h, op_class="norm"),
+        LayerOp(name="router", kind="router", inputs=("norm",), modules=("gate",), flops_fwd=2.0 * tokens * h * 8,
+                out_bytes=tokens * 8 * 2.0, params=8 * h, shard_dims=(8, h), op_class="matmul", mnk=(tokens, 8, h)),
+        LayerOp(name="experts", kind="experts", inputs=("norm", "router"), modules=("experts",),
+                flops_fwd=2.0 * tokens * topk * 3 * h * 14336, flops_bwd=4.0 * tokens * topk * 3 * h * 14336,
+                bytes_fwd=8 * 3 * h * 14336 * 2.0, out_bytes=act, saved_bytes=4 * act, params=8 * 3 * h * 14336,
+                dispatch_bytes=tokens * topk * h * 2.0, op_class="matmul"),
+        LayerOp(name="add", kind="add", inputs=("input", "experts"), bytes_fwd=3 * act, out_bytes=act),
+        LayerOp(name="output", kind="output", inputs=("add",), out_bytes=act),
+    ]
+    for ep in (1, 4):
+        mesh = MeshShape(tp=2, ep=ep)
+        bs = solve_block(ops, mesh=mesh, ctx=cluster_cost_context(cluster, mesh=mesh))
+        styles = {m.fqn: m.style for m in bs.shardings}
+        assert styles["experts"] == ("expert" if ep > 1 else "replicate") and styles["gate"] == "replicate"
+        a2a = bs.comm_bytes_by_kind.get("ep_all_to_all", 0.0)
+        assert a2a == pytest.approx(4 * tokens * topk * h * 2.0 if ep > 1 else 0.0)  # dispatch + combine, f + b
+        assert bs.state_bytes == pytest.approx(16 * (8 * 3 * h * 14336 / ep + 9 * h))
+
+
+@pytest.mark.slow
+def test_mixtral_block_experts(cluster) -> None:
+    from planner.graph import find_blocks
+    from planner.models import build_model
+    from planner.search.block_plan import block_strategy
+    from planner.trace import trace
+
+    bundle = build_model("mixtral:layers=2,hidden=4096,ffn=14336,heads=32,kv_heads=8,vocab=32000,seq=4096,"
+                         "experts=8,topk=2", batch=1)
+    graph = trace(bundle.model, bundle.example_inputs)
+    layer = next(b for b in find_blocks(graph) if b.kind == "transformer")
+    bs = block_strategy(layer, graph=graph, tp=8, ep=4, microbatch=1, seq=4096, cluster=cluster)
+    styles = _styles(bs)
+    assert styles["experts"] == "expert" and styles["gate"] == "replicate"
+    assert (styles["q_proj"], styles["o_proj"]) == ("colwise", "rowwise")
+    assert bs.comm_bytes_by_kind["ep_all_to_all"] == pytest.approx(4 * 4096 * 2 * 4096 * 2, rel=1e-9)

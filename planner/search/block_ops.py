@@ -69,6 +69,8 @@ class _Acc:
     out_features: list[int] = field(default_factory=list)
     in_features: int = 0
     tokens: int = 0
+    tokens_hidden: tuple[int, int] = (0, 0)
+    """Experts: (tokens, hidden) of the token-major input the experts read."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -94,7 +96,7 @@ def layer_ops_from_block(block, graph, *, microbatch: int, seq: int, dtype: str 
         builder.visit(nodes[name])
     accs = builder.finish(next((builder.rep[n] for n in reversed(names) if builder.rep.get(n)), None))
     scale = _scale_of(builder, microbatch=microbatch, seq=seq, dtype=dtype)
-    return tuple(_to_layer_op(a, scale, heads=builder.heads_of(a)) for a in accs)
+    return tuple(_to_layer_op(a, scale, heads=builder.heads_of(a), experts=builder.experts) for a in accs)
 
 
 class _Builder:
@@ -108,6 +110,8 @@ class _Builder:
         self.traced_tokens = 0
         self.traced_seq = 0
         self.norm_modules = _norm_modules([nodes[x] for x in in_block])
+        self.expert_modules = tuple(sorted({nodes[x].module_fqn for x in in_block
+                                            if any(len(p[1]) >= 3 for p in nodes[x].params)}))
         self.experts = max((p[1][0] for n in (nodes[x] for x in in_block) for p in n.params if len(p[1]) >= 3),
                            default=0)
         self._input()
@@ -138,10 +142,10 @@ class _Builder:
             self.rep[n.name] = ins[0] if ins else None  # type: ignore[assignment]  # same tensor, no layout change
         elif n.module_fqn in self.norm_modules:
             self._norm(n, ins)
+        elif self._expert_module(n.module_fqn):
+            self._experts(n, ins, self._expert_module(n.module_fqn))
         elif n.op_class == "matmul" and weights and len(weights[0][1]) == 2:
             self._linear(n, ins, weights[0])
-        elif weights and len(weights[0][1]) >= 3:
-            self._new(n, "experts", ins, modules=[self._rel(n.module_fqn)])
         elif n.op_class == "embedding" and weights:
             acc = self._new(n, "embedding", ins, modules=[self._rel(n.module_fqn)])
             acc.out_features = [weights[0][1][0]]  # vocabulary rows
@@ -159,6 +163,37 @@ class _Builder:
             self._fold(n, ins[0])
         else:
             self.rep[n.name] = None  # type: ignore[assignment]  # computed from constants / side inputs only
+
+    def _expert_module(self, fqn: str) -> str:
+        return next((m for m in self.expert_modules if fqn == m or fqn.startswith(m + ".")), "")
+
+    def _experts(self, n, ins: list[str], module: str) -> None:
+        """All ops of an experts module are one op. Grouped / batched expert GEMMs gather weights per token
+        (3-D tensors): only 2-D, token-major tensors count as activation traffic."""
+        name = f"experts:{module}"
+        acc = self.ops.get(name)
+        if acc is None:
+            acc = _Acc(name=name, kind="experts", inputs=[], modules=[self._rel(module)], op_class="matmul")
+            self.ops[name] = acc
+        for i in ins:
+            if i != name and i not in acc.inputs:
+                acc.inputs.append(i)
+        self.rep[n.name] = name
+        if acc.tokens_hidden == (0, 0):
+            flat = [sh for sh in n.input_shapes if len(sh) == 2 and sh[1] > 1]
+            if flat:
+                acc.tokens_hidden = (flat[0][0], flat[0][1])
+        acc.flops_fwd += n.flops_fwd
+        acc.flops_bwd += n.flops_bwd
+        weight = sum(_numel(p[1]) for p in n.params)
+        acc.params += weight
+        acc.weight_elems += weight
+        token_major = [_numel(sh) for sh in n.output_shapes if len(sh) == 2]
+        if n.op_class != "view":
+            acc.act_elems += 2 * sum(token_major)
+            acc.saved_elems += sum(token_major)
+        if token_major:
+            acc.out_elems = float(token_major[0])
 
     def _norm(self, n, ins: list[str]) -> None:
         """All ops run inside one norm module (RMSNorm decomposes into pow, mean, rsqrt, mul) are one op."""
@@ -285,7 +320,7 @@ def _scale_of(b: _Builder, *, microbatch: int, seq: int, dtype: str) -> _Scale:
     return _Scale(tokens=tokens, attention=tokens * seq / traced_seq, dtype_bytes=DTYPE_BYTES.get(dtype, 2))
 
 
-def _to_layer_op(a: _Acc, sc: _Scale, *, heads: tuple[int, int, int] | None) -> LayerOp:
+def _to_layer_op(a: _Acc, sc: _Scale, *, heads: tuple[int, int, int] | None, experts: int = 0) -> LayerOp:
     db = sc.dtype_bytes
     shard_dims: tuple[int, ...] = ()
     if a.kind in ("linear", "router", "head"):
@@ -302,6 +337,13 @@ def _to_layer_op(a: _Acc, sc: _Scale, *, heads: tuple[int, int, int] | None) -> 
     elif a.kind in ("embedding",):
         shard_dims = (a.out_features[0],) if a.out_features else ()
     out_bytes = a.out_elems * sc.tokens * db
+    dispatch = 0.0
+    if a.kind == "experts" and experts and a.out_elems:
+        # tokens * topk * hidden elements cross the ep axis each way; topk from FLOPs = 2 * tokens * topk * P_e
+        per_expert = a.params / experts
+        tokens, hidden = a.tokens_hidden
+        topk = a.flops_fwd / (2.0 * tokens * per_expert) if per_expert and tokens else 1.0
+        dispatch = tokens * topk * hidden * sc.tokens * db
     if a.kind == "loss":  # fp32 per-token statistics (max, sum of exponentials, target logit)
         out_bytes = a.tokens * sc.tokens * 4.0
     return LayerOp(
@@ -309,7 +351,7 @@ def _to_layer_op(a: _Acc, sc: _Scale, *, heads: tuple[int, int, int] | None) -> 
         flops_fwd=a.flops_fwd * sc.tokens + a.attn_flops_fwd * sc.attention,
         flops_bwd=a.flops_bwd * sc.tokens + a.attn_flops_bwd * sc.attention,
         bytes_fwd=(a.act_elems * sc.tokens + a.weight_elems) * db,
-        out_bytes=out_bytes,
+        out_bytes=out_bytes, dispatch_bytes=dispatch,
         saved_bytes=a.saved_elems * sc.tokens * db,
         params=int(a.params), shard_dims=shard_dims, op_class=a.op_class if a.op_class != "other" else "elementwise",
         mnk=(int(a.tokens * sc.tokens), sum(a.out_features), a.in_features)

@@ -82,6 +82,8 @@ class LayerOp:
     kv_heads), embedding / head (vocab)."""
     op_class: str = "other"
     """``planner.graph`` op class (matmul, attention, norm, ...) for the compute cost model."""
+    dispatch_bytes: float = 0.0
+    """Experts: bytes one all-to-all moves (tokens * topk * hidden * dtype bytes)."""
     mnk: tuple[int, ...] = ()
     """Matmul shape ``(m, n, k)`` (tokens, output features summed over the group, input features)."""
 
@@ -283,14 +285,12 @@ def _loss(op: LayerOp, mesh: MeshShape) -> list[OpStrategy]:
 def _experts(op: LayerOp, mesh: MeshShape) -> list[OpStrategy]:
     if mesh.ep == 1:
         return [_same("replicate", "replicate", "R", len(op.inputs), 1.0)]
-    # Dispatch and combine all-to-alls over ep, forward and backward (op.out_bytes = tokens * topk * h * bytes).
-    a2a = tuple(Collective(kind="all_to_all", nbytes=op.out_bytes, axis="ep") for _ in range(2))
-    layouts = ["R"] + (["S_seq"] if mesh.tp > 1 and mesh.sequence_parallel else [])
-    return [
-        _same("expert" if lay == "R" else "expert_sp", "expert", lay, len(op.inputs), 1.0 if lay == "R" else 1 / mesh.tp,
-              param_fraction=1 / mesh.ep, comm_fwd=a2a, comm_bwd=a2a)
-        for lay in layouts
-    ]
+    # Dispatch and combine all-to-alls over ep, forward and backward.
+    a2a = tuple(Collective(kind="all_to_all", nbytes=op.dispatch_bytes, axis="ep") for _ in range(2))
+    # Tokens enter replicated over tp: SequenceParallel (norms, dropout) is the only style that runs a module on
+    # sequence-sharded tokens with replicated weights, so a sequence-sharded experts module is not offered.
+    return [_same("expert", "expert", "R", len(op.inputs), 1.0, param_fraction=1 / mesh.ep, comm_fwd=a2a,
+                  comm_bwd=a2a)]
 
 
 _RULES: dict[str, Callable[[LayerOp, MeshShape], list[OpStrategy]]] = {
