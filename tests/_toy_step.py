@@ -46,16 +46,22 @@ class ToyConfig:
     zero_stage: int = 0
 
 
-def toy_workload(*, layers=4, hidden=64, heads=4, vocab=1000, seq=128, name="toy") -> Workload:
+def toy_workload(*, layers=4, hidden=64, heads=4, vocab=1000, seq=128, ffn=None, name="toy") -> Workload:
+    """A GPT workload from Megatron SC21's formulas (per sequence): 24 s h^2 + 4 s^2 h forward FLOPs per layer
+    with a 4h MLP, backward twice that, 12 h^2 + 13 h parameters; the LM head 2 s h V forward FLOPs."""
     h, s = hidden, seq
-    emb = LayerWork(name="model.embed_tokens", kind="embedding", params=vocab * h, flops_fwd=0.0, flops_bwd=0.0)
-    tr = [LayerWork(name=f"model.layers.{i}", kind="transformer", params=12 * h * h,
-                    flops_fwd=24.0 * s * h * h + 4.0 * s * s * h, flops_bwd=48.0 * s * h * h + 8.0 * s * s * h)
+    f = ffn or 4 * h
+    emb = LayerWork(name="model.embed_tokens", kind="embedding", params=vocab * h + s * h, flops_fwd=0.0,
+                    flops_bwd=0.0, bytes_fwd=4.0 * s * h)
+    layer_fwd = 8.0 * s * h * h + 4.0 * s * h * f + 4.0 * s * s * h
+    tr = [LayerWork(name=f"model.layers.{i}", kind="transformer", params=4 * h * h + 2 * h * f + 9 * h + f,
+                    flops_fwd=layer_fwd, flops_bwd=2.0 * layer_fwd, attn_flops_fwd=4.0 * s * s * h,
+                    bytes_fwd=2.0 * 34.0 * s * h)
           for i in range(layers)]
-    head = LayerWork(name="lm_head", kind="head", params=vocab * h, flops_fwd=2.0 * s * h * vocab,
-                     flops_bwd=4.0 * s * h * vocab)
-    return Workload(name=name, layers=(emb, *tr, head), hidden=h, heads=heads, kv_heads=heads, ffn_hidden=4 * h,
-                    vocab=vocab, seq=s, num_layers=layers)
+    head = LayerWork(name="lm_head", kind="head", params=2 * h, flops_fwd=2.0 * s * h * vocab,
+                     flops_bwd=4.0 * s * h * vocab, bytes_fwd=2.0 * s * vocab)
+    return Workload(name=name, layers=(emb, *tr, head), hidden=h, heads=heads, kv_heads=heads, ffn_hidden=f,
+                    vocab=vocab, seq=s, num_layers=layers, tied_embeddings=True)
 
 
 def toy_estimate(workload, cfg, cluster, *, stage_layers=None, peak_flops=1e12, mem_gb=None):

@@ -159,3 +159,84 @@ def test_space_rules():
     assert any(s.pp == 3 for s in sp.enumerate_structures(dims=dims, num_devices=24, gpus_per_node=8,
                                                           global_batch=24, options=opts))  # uneven: 10 layers / 3
     assert sp.nearest_valid_batches(global_batch=1000, dps=[64, 48]) == [1008, 1024, 960]
+
+
+# --- under the real step model (costmodel.step) -------------------------------------------------------------
+
+
+def _real():
+    step = pytest.importorskip("costmodel.step")
+    from costmodel.analytic import gpt_workload
+
+    return step, gpt_workload
+
+
+def test_search_equals_brute_force_under_the_step_model():
+    step, gpt_workload = _real()
+    # 4 layers of h=6144 (453M parameters each) on 4 x 80 GB: memory binds, so ZeRO / tp / pp all matter
+    wl = gpt_workload(layers=4, hidden=6144, heads=48, vocab=51200, seq=2048, name="gpt-4x6144")
+    cl = make_cluster("dgx-a100-80gb", 1, gpus_per_node=4)
+    ref = brute_force(wl, cl, 8, step.estimate_step, max_mb=8, max_v=2)
+    opts = sp.SearchOptions(dp_margin=math.inf, dp_top_k=10**6, exhaustive_cuts=10**6, max_microbatch=8,
+                            max_virtual_stages=2, min_tokens_per_cp_rank=1)
+    res = driver.search(workload=wl, cluster=cl, global_batch=8, options=opts)
+    assert ref is not None and res.best.fits
+    assert res.best.step_time_s == pytest.approx(ref[0], rel=1e-9), (res.best.summary(), ref)
+
+
+def test_dominance_rules_hold_for_the_step_model():
+    """The pruning in space/driver assumes: recomputation never saves time and never costs memory; sequence
+    parallel (tp > 1) never costs time or memory; GPipe is never faster than 1F1B and holds at least as much."""
+    step, gpt_workload = _real()
+    wl = gpt_workload(layers=8, hidden=4096, heads=32, vocab=51200, seq=2048)
+    cl = make_cluster("dgx-a100-80gb", 2)
+    opts = sp.SearchOptions()
+    dims = sp.ModelDimsLite(heads=32, kv_heads=32, layers=8, seq=2048)
+    structs = sp.enumerate_structures(dims=dims, num_devices=16, gpus_per_node=8, global_batch=32, options=opts)
+    checked = 0
+    for s in structs[::7]:
+        cuts = driver.even_split([l.kind for l in wl.layers], s.pp * s.virtual_stages)
+
+        def est(**kw):
+            cfg = driver.make_config(s, sp.Knobs(**kw), global_batch=32)
+            return step.estimate_step(wl, cfg, cl, stage_layers=cuts)
+
+        for z in (0, 1, 2, 3):
+            for spar in ((False, True) if s.tp > 1 else (False,)):
+                e = [est(recompute=r, zero_stage=z, sequence_parallel=spar) for r in sp.RECOMPUTE_ORDER]
+                for a, b in zip(e, e[1:]):
+                    assert b.step_time_s >= a.step_time_s * (1 - 1e-9) and b.memory_gb_per_device <= a.memory_gb_per_device * (1 + 1e-9)
+            if s.tp > 1:
+                off, on = est(zero_stage=z, sequence_parallel=False), est(zero_stage=z, sequence_parallel=True)
+                assert on.step_time_s <= off.step_time_s * (1 + 1e-9)
+                assert on.memory_gb_per_device <= off.memory_gb_per_device * (1 + 1e-9)
+        if s.schedule == "1f1b" and s.pp > 1:
+            g = driver.make_config(s, sp.Knobs(), global_batch=32)
+            g1 = step.estimate_step(wl, g, cl, stage_layers=cuts)
+            gp = step.estimate_step(wl, driver.make_config(sp.Structure(**{**_fields(s), "schedule": "gpipe"}),
+                                                           sp.Knobs(), global_batch=32), cl, stage_layers=cuts)
+            assert gp.step_time_s >= g1.step_time_s * (1 - 1e-9)
+            assert gp.memory_gb_per_device >= g1.memory_gb_per_device * (1 - 1e-9)
+        checked += 1
+    assert checked > 10
+
+
+def _fields(s):
+    return {f: getattr(s, f) for f in s.__slots__}
+
+
+@pytest.mark.parametrize("case_id", ["megatron-sc21-t1-1.7b", "megatron-sc21-t1-39.1b", "megatron-sc21-t1-1008.0b"])
+def test_plan_beats_published_megatron_config(case_id):
+    """Same cost model for both: the plan predicts at least the published configuration's throughput, and fits."""
+    step, gpt_workload = _real()
+    from benchmarks.plan_quality import load_cases, published_config
+
+    case = next(c for c in load_cases() if c["id"] == case_id)
+    m = case["model"]
+    wl = gpt_workload(layers=m["layers"], hidden=m["hidden"], heads=m["heads"], vocab=m["vocab"], seq=m["seq_len"],
+                      ffn_hidden=m["ffn_hidden"], name=case_id)
+    cl = make_cluster("dgx-a100-80gb", case["cluster"]["nodes"])
+    pub = step.estimate_step(wl, published_config(case), cl)
+    res = driver.search(workload=wl, cluster=cl, global_batch=case["parallel"]["global_batch"])
+    assert res.best.fits
+    assert res.best.estimate.tokens_per_s >= pub.tokens_per_s * (1 - 1e-9), (res.best.summary(), pub.step_time_s)

@@ -278,8 +278,9 @@ def search(
     dims = sp.ModelDimsLite(heads=workload.heads, kv_heads=workload.kv_heads, layers=workload.num_layers,
                             seq=workload.seq, experts=workload.experts)
     structures = sp.enumerate_structures(dims=dims, num_devices=cluster.num_devices,
-                                         gpus_per_node=cluster.gpus_per_node, global_batch=int(global_batch),
-                                         options=options, fix=fixed)
+                                         gpus_per_node=min(g.node.gpus_per_node for g in cluster.groups),
+                                         global_batch=int(global_batch), options=options, fix=fixed,
+                                         group_devices=tuple(g.node.gpus_per_node * g.count for g in cluster.groups))
     if not structures:
         raise _no_structure_error(ctx, dims)
     ideal = _ideal_step_s(workload, cluster, global_batch)

@@ -216,9 +216,16 @@ def enumerate_structures(
     global_batch: int,
     options: SearchOptions,
     fix: Mapping[str, Any] | None = None,
+    group_devices: tuple[int, ...] = (),
 ) -> list[Structure]:
-    """Every valid structure, sorted (deterministic); ``fix`` pins any field."""
+    """Every valid structure, sorted (deterministic); ``fix`` pins any field.
+
+    ``group_devices``: devices per node group of a heterogeneous cluster, in rank order. A pipeline rank's
+    devices (a contiguous block of ``N / pp`` ranks) must not straddle two groups, so that each stage runs on
+    one GPU type: every group boundary must be a multiple of ``N / pp``.
+    """
     fix = dict(fix or {})
+    boundaries = [sum(group_devices[: i + 1]) for i in range(len(group_devices) - 1)]
     if global_batch < 1:
         raise ConfigError(f"global_batch={global_batch} must be >= 1")
     out: list[Structure] = []
@@ -230,7 +237,8 @@ def enumerate_structures(
     for tp in pinned("tp", tp_choices(dims, gpus_per_node=gpus_per_node)):
         for cp in pinned("cp", cp_choices(dims, options=options)):
             rest = num_devices // (tp * cp) if num_devices % (tp * cp) == 0 else 0
-            for pp in pinned("pp", [p for p in divisors(rest) if p <= dims.layers] if rest else []):
+            pps = [p for p in divisors(rest) if p <= dims.layers and all(b % (num_devices // p) == 0 for b in boundaries)]
+            for pp in pinned("pp", pps if rest else []):
                 dp = rest // pp
                 if global_batch % dp or ("dp" in fix and fix["dp"] != dp):
                     continue
