@@ -332,7 +332,7 @@ def test_mixtral_block_experts(cluster) -> None:
                          "experts=8,topk=2", batch=1)
     graph = trace(bundle.model, bundle.example_inputs)
     layer = next(b for b in find_blocks(graph) if b.kind == "transformer")
-    bs = block_strategy(layer, graph=graph, tp=8, ep=4, microbatch=1, seq=4096, cluster=cluster)
+    bs = block_strategy(layer, graph=graph, tp=4, ep=4, microbatch=1, seq=4096, cluster=cluster)
     styles = _styles(bs)
     assert styles["experts"] == "expert" and styles["gate"] == "replicate"
     assert (styles["q_proj"], styles["o_proj"]) == ("colwise", "rowwise")
