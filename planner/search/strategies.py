@@ -2,7 +2,7 @@
 
 The ops here are the coarsened ops of one block (``LayerOp``: a group of linears that read the same input, the
 attention core, a norm, a pointwise op, a residual add, ...), built from a traced ``planner.graph.Block`` by
-``planner.search.block_plan``. Each candidate (``OpStrategy``) says which layout it needs on each input, which
+``planner.search.block_ops``. Each candidate (``OpStrategy``) says which layout it needs on each input, which
 layout its input gradients come back in, which layout it produces, and what it costs. Activation layouts on
 the tp axis are DTensor placements:
 
@@ -27,12 +27,17 @@ entry applied to the op's modules):
     embedding  replicate, vocab_embedding (output P)   RowwiseParallel on nn.Embedding (vocab parallel)
     head       replicate, vocab_head (R -> S_hid)      ColwiseParallel(use_local_output=False) on lm_head
     loss       full (R), vocab_parallel (S_hid)        loss_parallel(): all-reduces of max, sum-exp, target
+    router     replicate                               the MoE gate (a tiny linear)
     experts    replicate (ep = 1), expert (ep > 1)     experts sharded over the ep axis, all-to-all dispatch
-                                                       and combine, forward and backward
+                                                       and combine, forward and backward; tokens enter
+                                                       replicated over tp (no style runs an experts module on
+                                                       sequence-sharded tokens)
+    input / output  R, or S_seq with sequence parallelism   every block boundary has the same layout
 
 Resharding on an edge (``forward_conversion``): S_seq -> R all-gather, P -> R all-reduce, P -> S_seq
 reduce-scatter; other changes (R -> S_* slices, S_hid -> R gathers, S_seq <-> S_hid all-to-all) are not
-expressible by a module style and are forbidden pairs for the ILP. The backward pass converts the
+expressible by a module style and are forbidden pairs for the ILP, except R -> S_seq into the block's output
+(PrepareModuleInput on the next block: a local slice). The backward pass converts the
 consumer's input gradient back to the producer's output layout (``conversion``; the gradient of a P output
 is R), so Megatron's ``f``/``g`` operators appear as edge costs: colwise after a
 replicated norm costs one backward all-reduce, with sequence parallelism an all-gather forward and a
