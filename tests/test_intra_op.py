@@ -337,3 +337,15 @@ def test_mixtral_block_experts(cluster) -> None:
     assert styles["experts"] == "expert" and styles["gate"] == "replicate"
     assert (styles["q_proj"], styles["o_proj"]) == ("colwise", "rowwise")
     assert bs.comm_bytes_by_kind["ep_all_to_all"] == pytest.approx(4 * 4096 * 2 * 4096 * 2, rel=1e-9)
+
+
+def test_coarsened_graph_is_refused(traced, cluster) -> None:
+    from costmodel.errors import UnsupportedModelError
+    from planner.graph import coarsen, find_blocks
+    from planner.search.block_plan import block_strategy
+
+    graph, _, dims = traced[GPT3_BLOCK]
+    coarse = coarsen(graph)
+    layer = next(b for b in find_blocks(coarse) if b.kind == "transformer")
+    with pytest.raises(UnsupportedModelError, match="before planner.graph.coarsen"):
+        block_strategy(layer, graph=coarse, tp=2, microbatch=1, seq=dims.seq, cluster=cluster)

@@ -1,7 +1,8 @@
 """From a traced block (``planner.graph.Block`` + its ``OpGraph``) to the coarse ops the sharding ILP chooses for.
 
-Rules, applied to the block's aten ops in execution order (the graph from ``planner.trace.trace``, coarsened or
-not):
+Rules, applied to the block's aten ops in execution order (the graph from ``planner.trace.trace``, before
+``planner.graph.coarsen``: coarsening folds residual adds and norm internals into their producers, which erases
+the structure the layouts are chosen on):
 
 - a matmul that uses a 2-D weight is a linear of the weight's module; linears that read the same tensor form
   one group op (q/k/v, gate/up: Megatron's fused projections); a linear whose output width is the number of
@@ -86,6 +87,12 @@ def layer_ops_from_block(block, graph, *, microbatch: int, seq: int, dtype: str 
     names = [n for n in block.ops if n in nodes]
     if not names:
         raise UnsupportedModelError(f"block {block.name!r} has no ops in the given graph; pass the graph it came from")
+    folded = next((n for n in names if nodes[n].folded), None)
+    if folded is not None:
+        raise UnsupportedModelError(
+            f"block {block.name!r}: op {folded!r} was coarsened (folds {nodes[folded].folded[:3]}); pass the graph "
+            "from planner.trace.trace before planner.graph.coarsen"
+        )
     in_block = set(names)
     preds: dict[str, list[tuple[str, float]]] = {}
     for e in graph.edges:

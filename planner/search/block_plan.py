@@ -333,7 +333,7 @@ def block_strategy(block, *, graph, tp: int, cp: int = 1, ep: int = 1, microbatc
                    cache: StrategyCache | None = None) -> BlockStrategy:
     """The sharding of a traced ``planner.graph.Block`` on a (tp, cp, ep) submesh for one micro-batch.
 
-    ``graph`` is the ``OpGraph`` the block was found in (``planner.trace.trace``, coarsened or not); its op
+    ``graph`` is the ``OpGraph`` the block was found in (``planner.trace.trace``, not coarsened); its op
     numbers are rescaled to ``microbatch`` x ``seq`` and ``dtype``.
 
     Memoized in ``cache`` on the block's signature and every argument the answer depends on, so repeated
