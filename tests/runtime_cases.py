@@ -8,6 +8,7 @@ sharded matmul / reduce-scatter and the dense one; errors seen are ~1e-7).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
@@ -76,6 +77,7 @@ def make_optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.5, momentum=0.9, foreach=False)
 
 
+@functools.lru_cache(maxsize=None)
 def reference_run(model_name: str, global_batch: int, *, seed: int = 0) -> dict[str, Any]:
     """The single-process run: losses, gradients per step, final parameters."""
     from runtime.materialize import materialize

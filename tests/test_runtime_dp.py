@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 import runtime_cases as rc
-from dist_utils import run_distributed
+from runtime_spawn import parts_all_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -20,7 +20,7 @@ DP2_CASES = [
 ]
 
 
-def _dp2_body(rank: int, world_size: int) -> dict:
+def _dp2_body(rank: int, world_size: int, tmp: str) -> dict:
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
@@ -39,7 +39,7 @@ def _dp2_body(rank: int, world_size: int) -> dict:
 
 
 def test_data_parallel_two_ranks():
-    results = run_distributed(_dp2_body, world_size=2, timeout_s=240)
+    results = parts_all_ranks(2, "test_runtime_dp:_dp2_body")
     for name, model_name, kw in DP2_CASES:
         ref = rc.reference_run(model_name, kw["microbatch_size"] * kw.get("num_microbatches", 1) * 2)
         for rank, res in enumerate(results):

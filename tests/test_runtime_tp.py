@@ -1,6 +1,6 @@
 """Tensor / sequence parallel (and TP x DP) on gloo ranks against the single-process model.
 
-One spawned run per world size does all checks of that size (process start dominates). Each check trains
+One spawned run per world size does the checks of all runtime test files (tests/runtime_spawn.py). Each check trains
 ``runtime_cases.STEPS`` optimizer steps (SGD with momentum); loss, gathered gradients and final parameters must match the reference
 (rtol=1e-4, atol=1e-5, see tests/runtime_cases.py).
 """
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import runtime_cases as rc
-from dist_utils import run_distributed
+from runtime_spawn import parts_all_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -25,7 +25,6 @@ TP2_CASES = [
 TP2_DP2_CASES = [
     ("opt tp2 x dp2 zero3 sp", "opt", dict(tp=2, dp=2, zero_stage=3, sequence_parallel=True, microbatch_size=2)),
     ("llama tp2 x dp2 zero0", "llama", dict(tp=2, dp=2, zero_stage=0, microbatch_size=1, num_microbatches=2)),
-    ("opt tp2 x dp2 zero2", "opt", dict(tp=2, dp=2, zero_stage=2, microbatch_size=2)),
 ]
 
 
@@ -45,7 +44,7 @@ def _run_cases(cases: list) -> dict:
     return out
 
 
-def _tp2_body(rank: int, world_size: int) -> dict:
+def _tp2_body(rank: int, world_size: int, tmp: str) -> dict:
     from torch.distributed.tensor import DTensor
 
     from costmodel.errors import ConfigError
@@ -85,7 +84,7 @@ def _tp2_body(rank: int, world_size: int) -> dict:
     return out
 
 
-def _tp2_dp2_body(rank: int, world_size: int) -> dict:
+def _tp2_dp2_body(rank: int, world_size: int, tmp: str) -> dict:
     return {"runs": _run_cases(TP2_DP2_CASES)}
 
 
@@ -100,7 +99,7 @@ def _check_runs(results: list, cases: list) -> None:
 
 
 def test_tensor_parallel_two_ranks():
-    results = run_distributed(_tp2_body, world_size=2, timeout_s=240)
+    results = parts_all_ranks(2, "test_runtime_tp:_tp2_body")
     _check_runs(results, TP2_CASES + [("opt tp2 gathered logits", "opt", dict(microbatch_size=4))])
     r0 = results[0]
     assert r0["loss_parallel_works"] is True  # gloo / CPU, torch 2.13
@@ -117,5 +116,5 @@ def test_tensor_parallel_two_ranks():
 
 
 def test_tensor_x_data_parallel_four_ranks():
-    results = run_distributed(_tp2_dp2_body, world_size=4, timeout_s=300)
+    results = parts_all_ranks(4, "test_runtime_tp:_tp2_dp2_body")
     _check_runs(results, TP2_DP2_CASES)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import runtime_cases as rc
-from dist_utils import run_distributed
+from runtime_spawn import parts_all_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -68,8 +68,8 @@ def _wrap_body(rank: int, world_size: int, tmp: str) -> dict:
     return out
 
 
-def test_auto_wrap_two_ranks(tmp_path):
-    results = run_distributed(_wrap_body, world_size=2, args=(str(tmp_path),), timeout_s=240)
+def test_auto_wrap_two_ranks():
+    results = parts_all_ranks(2, "test_runtime_wrap:_wrap_body")
     ref = rc.reference_run("opt", 4)
     for rank, res in enumerate(results):
         assert res["plan_degrees"] == (2, 1, True)
