@@ -1,0 +1,231 @@
+"""Time of one layer (``LayerWork``) for one micro-batch on one device: compute and per-layer collectives.
+
+Used by ``costmodel.step``. A transformer layer's dense matmul FLOPs (``flops_fwd - attn_flops_fwd``, as traced
+or counted) run at the efficiency of its GEMM shapes (q/k/v, o, MLP up/gate, down) sharded over tp, from
+``costmodel.compute``; the attention core at the fused-attention rate (flash) or as two batched GEMMs of
+inner size ``head_dim`` (Megatron 2021's unfused kernel) plus its softmax / mask / dropout traffic; the
+memory-bound rest (norms, bias + activation, dropout, residual) from per-token byte counts (``StepConstants``).
+Backward: twice the forward GEMM time (input and weight gradient), twice the memory-bound traffic.
+
+Collectives per transformer layer (Megatron-LM): tp: 2 all-reduces of ``b s h`` in forward and 2 in
+backward, or with sequence parallelism an all-gather + reduce-scatter pair each (same volume); cp: K/V
+all-gather in forward and reduce-scatter of their gradients in backward, hidden behind the attention core
+when shorter; ep: dispatch + combine all-to-alls of ``b s h top_k`` in forward and again in backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from costmodel.comm import Group, collective_time_s
+from costmodel.compute import matmul_time_s, op_time_s
+from costmodel.hardware import Accelerator, Cluster
+from costmodel.workload import LayerWork, Workload
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepConstants:
+    """The step model's own constants (one set for every case; see ``benchmarks/fidelity.py`` for how they
+    were set). Memory-bound traffic in bytes per token and hidden (or ffn) element, forward pass, bf16:
+
+    - ``elementwise_replicated_bytes`` 22: two LayerNorms (read + write 4 each), two dropout + residual adds
+      (read 2 x 2 + mask, write 2: 7 each): replicated over tp unless sequence parallel.
+    - ``elementwise_ffn_bytes`` 4: bias + GeLU over the ``f / tp`` MLP activations (read 2, write 2).
+    - ``softmax_bytes`` 9 per attention score (unfused attention): scaled-masked softmax read + write 4,
+      dropout read + write 4, mask 1.
+    - ``optimizer_bytes_per_param`` 32: Adam reads and writes fp32 master, momentum, variance (24), reads the
+      gradient and writes the bf16 weight.
+    - ``overlap_slowdown`` 0.12: an overlapped collective still slows the compute it hides behind (shared
+      SMs and HBM; the step is ``max(comm, compute) + k min(comm, compute)``).
+    - ``zero3_flat_nic`` True: ZeRO-3's per-parameter all-gathers / reduce-scatters across nodes run as a flat
+      ring at each GPU's own NIC rate (no rail-parallel hierarchy), as DeepSpeed / FSDP issue them.
+    - ``zero3_passes_recompute`` True: full recomputation gathers the parameters again.
+    """
+
+    elementwise_replicated_bytes: float = 22.0
+    elementwise_ffn_bytes: float = 4.0
+    softmax_bytes: float = 9.0
+    optimizer_bytes_per_param: float = 32.0
+    overlap_slowdown: float = 0.12
+    zero3_flat_nic: bool = True
+    zero3_passes_recompute: bool = True
+
+
+DEFAULT_STEP_CONSTANTS = StepConstants()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayerTime:
+    """One layer, one micro-batch, one device (seconds). ``comm`` maps link kind -> exposed seconds."""
+
+    fwd_s: float
+    bwd_s: float
+    wgrad_s: float
+    """Part of ``bwd_s`` that is weight-gradient work (zero-bubble's W)."""
+    recompute_s: float
+    """Extra forward work recomputation adds to the backward."""
+    comm_fwd: dict[str, float]
+    comm_bwd: dict[str, float]
+    comm_recompute: dict[str, float]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayerCtx:
+    """What every layer of one configuration shares."""
+
+    workload: Workload
+    device: Accelerator
+    cluster: Cluster
+    microbatch: int
+    tp: int
+    cp: int
+    ep: int
+    sp: bool
+    recompute: str
+    flash: bool
+    constants: StepConstants
+
+
+def _add(d: dict[str, float], kind: str, t: float) -> None:
+    if t > 0:
+        d[kind] = d.get(kind, 0.0) + t
+
+
+def _gemm_time_per_flop(c: LayerCtx, tokens: int) -> float:
+    """Seconds per FLOP of the layer's GEMMs (analytic shapes sharded over tp)."""
+    w, tp = c.workload, c.tp
+    h, f = w.hidden, w.ffn_hidden
+    h_kv = h * w.kv_heads // w.heads
+    shapes = [(tokens, max(1, (h + 2 * h_kv) // tp), h), (tokens, h, max(1, h // tp))]
+    shapes += [(tokens, max(1, f // tp), h)] * (2 if w.glu else 1) + [(tokens, h, max(1, f // tp))]
+    cal = c.cluster.calibration
+    t = sum(matmul_time_s(m, n, k, device=c.device, calibration=cal) for m, n, k in shapes)
+    return t / sum(2.0 * m * n * k for m, n, k in shapes)
+
+
+def _attention_s(c: LayerCtx, layer: LayerWork, tokens: int) -> tuple[float, float]:
+    """(forward, backward) seconds of the attention core, incl. its memory traffic when unfused."""
+    w = c.workload
+    flops = layer.attn_flops_fwd * c.microbatch / (c.tp * c.cp)
+    if flops <= 0:
+        return 0.0, 0.0
+    cal = c.cluster.calibration
+    if c.flash:
+        flops *= float(w.meta.get("attn_causal_fraction", 0.5))  # causal kernels skip the masked half
+        fwd = op_time_s(flops=flops, bytes_moved=0.0, op_class="attention", device=c.device, calibration=cal)
+        return fwd, 2.5 * fwd  # FlashAttention-2 backward: 2x FLOPs at ~80% of the forward's rate
+    heads = max(1, w.heads // c.tp)
+    hd = max(1, w.hidden // w.heads)
+    shape = (c.microbatch * heads, max(1, w.seq // c.cp), w.seq, hd)
+    mm = op_time_s(flops=flops, bytes_moved=0.0, op_class="matmul", device=c.device, shape=shape, calibration=cal)
+    scores = c.microbatch * heads * (w.seq / c.cp) * w.seq
+    soft = op_time_s(flops=0.0, bytes_moved=c.constants.softmax_bytes * scores, op_class="elementwise",
+                     device=c.device, calibration=cal)
+    return mm + soft, 2.0 * (mm + soft)
+
+
+def _tp_comm(c: LayerCtx, tokens: int) -> tuple[str, float]:
+    """Link kind and seconds of the 2 tp collectives of one pass of a transformer layer."""
+    if c.tp == 1:
+        return "", 0.0
+    nbytes = tokens * c.workload.hidden * c.workload.dtype_bytes
+    g = Group(size=c.tp, stride=1)
+    if c.sp:
+        ag = collective_time_s("all_gather", nbytes, g, c.cluster)
+        rs = collective_time_s("reduce_scatter", nbytes, g, c.cluster)
+        return ag.link_kind, 2.0 * (ag.time_s + rs.time_s)
+    ar = collective_time_s("all_reduce", nbytes, g, c.cluster)
+    return ar.link_kind, 2.0 * ar.time_s
+
+
+def transformer_time(c: LayerCtx, layer: LayerWork) -> LayerTime:
+    w, k = c.workload, c.constants
+    tokens = max(1, c.microbatch * w.seq // c.cp)
+    gemm_flops = max(0.0, layer.flops_fwd - layer.attn_flops_fwd) * c.microbatch / (c.tp * c.cp)
+    t_gemm = gemm_flops * _gemm_time_per_flop(c, tokens)
+    t_attn_f, t_attn_b = _attention_s(c, layer, tokens)
+    elem_bytes = tokens * (k.elementwise_replicated_bytes * w.hidden / (c.tp if c.sp else 1)
+                           + k.elementwise_ffn_bytes * w.ffn_hidden * (2 if w.glu else 1) / c.tp)
+    t_elem = op_time_s(flops=0.0, bytes_moved=elem_bytes, op_class="elementwise", device=c.device,
+                       calibration=c.cluster.calibration)
+    fwd = t_gemm + t_attn_f + t_elem
+    bwd = 2.0 * t_gemm + t_attn_b + 2.0 * t_elem
+    comm_f: dict[str, float] = {}
+    comm_b: dict[str, float] = {}
+    kind, t_tp = _tp_comm(c, tokens)
+    _add(comm_f, kind, t_tp)
+    _add(comm_b, kind, t_tp)
+    if c.cp > 1:  # K/V all-gather (fwd) and reduce-scatter of dK/dV (bwd), hidden behind the attention core
+        nbytes = 2.0 * c.microbatch * w.seq * (w.hidden * w.kv_heads // w.heads) / c.tp * w.dtype_bytes
+        cc = collective_time_s("all_gather", nbytes, Group(size=c.cp, stride=c.tp), c.cluster)
+        _add(comm_f, cc.link_kind, max(0.0, cc.time_s - t_attn_f))
+        _add(comm_b, cc.link_kind, max(0.0, cc.time_s - t_attn_b))
+    if c.ep > 1 and w.experts:
+        nbytes = tokens * w.hidden * max(1, w.topk) * w.dtype_bytes
+        a2a = collective_time_s("all_to_all", nbytes, Group(size=c.ep, stride=c.tp * c.cp), c.cluster)
+        _add(comm_f, a2a.link_kind, 2.0 * a2a.time_s)
+        _add(comm_b, a2a.link_kind, 2.0 * a2a.time_s)
+    rec_s, comm_r = 0.0, {}
+    if c.recompute == "full":
+        rec_s, comm_r = fwd, dict(comm_f)
+    elif c.recompute == "selective":
+        rec_s = t_attn_f
+    return LayerTime(fwd_s=fwd, bwd_s=bwd, wgrad_s=t_gemm, recompute_s=rec_s, comm_fwd=comm_f, comm_bwd=comm_b,
+                     comm_recompute=comm_r)
+
+
+def embedding_time(c: LayerCtx, layer: LayerWork) -> LayerTime:
+    w = c.workload
+    tokens = max(1, c.microbatch * w.seq // c.cp)
+    nbytes = tokens * w.hidden * w.dtype_bytes
+    t = op_time_s(flops=0.0, bytes_moved=2.0 * nbytes, op_class="embedding", device=c.device,
+                  calibration=c.cluster.calibration)
+    comm: dict[str, float] = {}
+    if c.tp > 1:  # vocabulary-parallel embedding: partial sums all-reduced (reduce-scattered with sp)
+        op = "reduce_scatter" if c.sp else "all_reduce"
+        cc = collective_time_s(op, nbytes, Group(size=c.tp, stride=1), c.cluster)
+        _add(comm, cc.link_kind, cc.time_s)
+    return LayerTime(fwd_s=t, bwd_s=2.0 * t, wgrad_s=2.0 * t, recompute_s=0.0, comm_fwd=comm, comm_bwd={},
+                     comm_recompute={})
+
+
+def head_time(c: LayerCtx, layer: LayerWork) -> LayerTime:
+    """LM head (vocab-parallel) + loss: one GEMM over V / tp and the logits' memory traffic."""
+    w = c.workload
+    tokens = max(1, c.microbatch * w.seq // c.cp)
+    flops = layer.flops_fwd * c.microbatch / (c.tp * c.cp)
+    cal = c.cluster.calibration
+    vt = max(1, w.vocab // c.tp)
+    per_flop = matmul_time_s(tokens, vt, w.hidden, device=c.device, calibration=cal) / (2.0 * tokens * vt * w.hidden)
+    t_mm = flops * per_flop
+    logits = tokens * vt * 4.0 * 3  # fp32 softmax / cross-entropy: read, write, read again
+    t_loss = op_time_s(flops=0.0, bytes_moved=logits, op_class="reduction", device=c.device, calibration=cal)
+    comm: dict[str, float] = {}
+    if c.tp > 1 and c.sp:  # gather the sequence-sharded hidden states before the head
+        cc = collective_time_s("all_gather", tokens * w.hidden * w.dtype_bytes, Group(size=c.tp, stride=1),
+                               c.cluster)
+        _add(comm, cc.link_kind, cc.time_s)
+    return LayerTime(fwd_s=t_mm + t_loss, bwd_s=2.0 * t_mm + t_loss, wgrad_s=t_mm, recompute_s=0.0,
+                     comm_fwd=comm, comm_bwd=dict(comm), comm_recompute={})
+
+
+def other_time(c: LayerCtx, layer: LayerWork) -> LayerTime:
+    """Any other block: its FLOPs at the large-matmul rate, its bytes at the memory rate."""
+    cal = c.cluster.calibration
+    scale = c.microbatch / (c.tp * c.cp)
+    fwd = op_time_s(flops=layer.flops_fwd * scale, bytes_moved=layer.bytes_fwd * scale, op_class="matmul",
+                    device=c.device, calibration=cal)
+    bwd = op_time_s(flops=layer.flops_bwd * scale, bytes_moved=2.0 * layer.bytes_fwd * scale, op_class="matmul",
+                    device=c.device, calibration=cal)
+    return LayerTime(fwd_s=fwd, bwd_s=bwd, wgrad_s=bwd / 2, recompute_s=fwd if c.recompute == "full" else 0.0,
+                     comm_fwd={}, comm_bwd={}, comm_recompute={})
+
+
+def layer_time(c: LayerCtx, layer: LayerWork) -> LayerTime:
+    if layer.kind == "transformer":
+        return transformer_time(c, layer)
+    if layer.kind == "embedding":
+        return embedding_time(c, layer)
+    if layer.kind == "head":
+        return head_time(c, layer)
+    return other_time(c, layer)

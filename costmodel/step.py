@@ -1,0 +1,445 @@
+"""Step time, throughput and memory of one parallel configuration on one cluster.
+
+``estimate_step(workload, config, cluster)`` composes the pieces:
+
+1. Layer times for one micro-batch on one device (``costmodel.layer_time``): compute on the cluster's
+   slowest accelerator plus the tp / cp / ep collectives each layer puts on the critical path; recomputation
+   adds a forward (full: with its tp collectives; selective: the attention core).
+2. Chunks: ``stage_layers`` consecutive workload entries per pipeline chunk (even by default: transformer
+   layers spread evenly, the embedding on the first chunk, the head on the last). Chunk ``c`` runs on pipeline
+   rank ``c % pp``. Pipeline time from ``costmodel.pipeline`` closed forms, with the p2p send/recv of
+   ``b s h / tp`` activations (SC21 scatter/gather over the tp ranks' links) per hop.
+3. Data parallel (over the dp x cp ranks that share weights): gradient all-reduce (ZeRO-0), reduce-scatter
+   + parameter all-gather (ZeRO-1/2), or per-micro-batch parameter all-gathers in forward (again in the
+   recomputation) and backward plus gradient reduce-scatters (ZeRO-3). Overlapped with the backward of the
+   last micro-batch (ZeRO-3: with all compute) when ``overlap_grad_reduce``:
+   ``exposed = max(0, comm - window) + k min(comm, window)`` (``StepConstants.overlap_slowdown``).
+4. Optimizer: Adam over the device's (ZeRO-sharded) parameters, memory-bound.
+5. Memory per pipeline rank (``costmodel.memory``) with the schedule's in-flight micro-batches.
+
+FLOPs: ``model_tflops_per_gpu`` counts forward + backward of the workload (6N + attention, SC21 Eq. 3's 72 form
+for GPT); ``hw_tflops_per_gpu`` adds what recomputation re-runs (the 96 form with full recomputation), the
+figure SC21 reports. ``mfu`` = model FLOPs / (step time x devices x dense bf16 peak).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from costmodel import memory as mem
+from costmodel import pipeline as pl
+from costmodel.comm import CommEfficiency, DEFAULT_EFFICIENCY, Group, collective_time_s, ring_terms
+from costmodel.compute import op_time_s
+from costmodel.errors import ConfigError
+from costmodel.hardware import Accelerator, Cluster
+from costmodel.layer_time import DEFAULT_STEP_CONSTANTS, LayerCtx, StepConstants, layer_time
+from costmodel.step_config import ParallelConfig, check_stage_layers, validate_config
+from costmodel.workload import Workload
+
+__all__ = ["ParallelConfig", "StepEstimate", "StepConstants", "estimate_step", "even_stage_layers"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepEstimate:
+    """What one optimizer step costs. ``breakdown_s`` sums to ``step_time_s``."""
+
+    step_time_s: float
+    tokens_per_s: float
+    model_tflops_per_gpu: float
+    hw_tflops_per_gpu: float
+    mfu: float
+    memory_gb_per_device: float
+    """The largest over pipeline ranks."""
+    fits: bool
+    breakdown_s: dict[str, float]
+    memory_breakdown_gb: dict[str, float]
+    """Of the rank with the most memory."""
+    bottleneck: str
+    stage_time_s: tuple[float, ...]
+    """Per pipeline rank: forward + backward (+ recompute) of one micro-batch through all its chunks."""
+    stage_memory_gb: tuple[float, ...]
+    config: ParallelConfig
+    """The configuration priced, with chosen micro-batch / virtual stages filled in."""
+    num_microbatches: int
+    stage_layers: tuple[int, ...]
+    memory: mem.MemoryEstimate
+    chosen: dict[str, int] = field(default_factory=dict)
+    """Options the caller left as None and this estimate chose (``microbatch``, ``virtual_stages``)."""
+    memory_limit_gb: float = 0.0
+
+
+def _even_stage_layers(kinds: list[str], chunks: int) -> tuple[int, ...]:
+    tr = [i for i, k in enumerate(kinds) if k == "transformer"]
+    if len(tr) < chunks:
+        raise ConfigError(
+            f"{len(tr)} transformer layers cannot fill pp*virtual_stages={chunks} chunks; "
+            f"use pp*virtual_stages <= {len(tr)}"
+        )
+    per, extra = divmod(len(tr), chunks)
+    sizes = [per + (1 if c < extra else 0) for c in range(chunks)]
+    chunk_of_tr = np.repeat(np.arange(chunks), sizes)
+    owner = np.empty(len(kinds), dtype=np.int64)
+    current, seen = 0, 0
+    for i, kind in enumerate(kinds):
+        if kind == "transformer":
+            current = int(chunk_of_tr[seen])
+            seen += 1
+        owner[i] = current
+    return tuple(int(x) for x in np.bincount(owner, minlength=chunks))
+
+
+def _device(cluster: Cluster) -> Accelerator:
+    """The slowest accelerator of the cluster paces a synchronous step."""
+    return min((g.node.gpu for g in cluster.groups), key=lambda a: a.tflops("bf16"))
+
+
+def _layer_key(layer) -> tuple:
+    return (layer.kind, layer.params, layer.flops_fwd, layer.flops_bwd, layer.attn_flops_fwd, layer.bytes_fwd,
+            layer.expert_params)
+
+
+class _ById:
+    """Hash an immutable object by identity (the memo below keeps it alive, so its id stays unique)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: object) -> None:
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ById) and other.obj is self.obj
+
+
+@functools.lru_cache(maxsize=256)
+def _structure_cached(layers: _ById, stage_layers: tuple[int, ...]) -> tuple[tuple, np.ndarray]:
+    index: dict[tuple, int] = {}
+    uniques, ids = [], []
+    for layer in layers.obj:
+        key = _layer_key(layer)
+        if key not in index:
+            index[key] = len(uniques)
+            uniques.append(layer)
+        ids.append(index[key])
+    owner = np.repeat(np.arange(len(stage_layers)), stage_layers)
+    counts = np.zeros((len(stage_layers), len(uniques)))
+    np.add.at(counts, (owner, np.asarray(ids)), 1.0)
+    counts.setflags(write=False)
+    return tuple(uniques), counts
+
+
+def _structure(workload: Workload, stage_layers: tuple[int, ...]) -> tuple[tuple, np.ndarray]:
+    """Distinct layers and how many of each every chunk holds: (layers, counts (chunks, distinct)).
+
+    Memoized per layer tuple (immutable) and cut: the planner prices one workload 10^4 times."""
+    return _structure_cached(_ById(workload.layers), tuple(stage_layers))
+
+
+@functools.lru_cache(maxsize=256)
+def _even_cached(layers: _ById, chunks: int) -> tuple[int, ...]:
+    return _even_stage_layers([layer.kind for layer in layers.obj], chunks)
+
+
+def even_stage_layers(workload: Workload, chunks: int) -> tuple[int, ...]:
+    """Workload entries per chunk: transformer layers spread evenly (earlier chunks take the remainder), the
+    entries before the first transformer layer on chunk 0, the others with the transformer layer before them."""
+    return _even_cached(_ById(workload.layers), int(chunks))
+
+
+def _chunk_arrays(uniques: list, counts: np.ndarray, ctx: LayerCtx) -> dict[str, np.ndarray]:
+    """Per chunk: fwd, bwd, wgrad, recompute seconds and exposed comm seconds per link kind (cf:/cb:)."""
+    rows = [layer_time(ctx, layer) for layer in uniques]
+    kinds = sorted({k for r in rows for d in (r.comm_fwd, r.comm_bwd, r.comm_recompute) for k in d})
+    cols = {
+        "fwd": [r.fwd_s for r in rows], "bwd": [r.bwd_s for r in rows],
+        "wgrad": [r.wgrad_s for r in rows], "rec": [r.recompute_s for r in rows],
+    }
+    for k in kinds:
+        cols[f"cf:{k}"] = [r.comm_fwd.get(k, 0.0) for r in rows]
+        cols[f"cb:{k}"] = [r.comm_bwd.get(k, 0.0) + r.comm_recompute.get(k, 0.0) for r in rows]
+    names = list(cols)
+    table = counts @ np.array([cols[n] for n in names]).T  # (chunks, columns)
+    return {n: table[:, i] for i, n in enumerate(names)}
+
+
+def _p2p_s(workload: Workload, cfg: ParallelConfig, cluster: Cluster) -> tuple[str, float]:
+    if cfg.pp == 1:
+        return "", 0.0
+    nbytes = cfg.microbatch * workload.seq / cfg.cp * workload.hidden * workload.dtype_bytes / cfg.tp
+    cc = collective_time_s("send_recv", nbytes, Group(size=2, stride=cfg.tp * cfg.cp * cfg.dp), cluster)
+    return cc.link_kind, cc.time_s
+
+
+def _rank_params(uniques: list, counts: np.ndarray, cfg: ParallelConfig) -> tuple[np.ndarray, np.ndarray]:
+    """(dense, expert) parameters each pipeline rank holds (sharded over tp, experts also over ep)."""
+    dense = counts @ np.array([(l.params - l.expert_params) / cfg.tp for l in uniques])
+    expert = counts @ np.array([l.expert_params / (cfg.tp * cfg.ep) for l in uniques])
+    v = counts.shape[0] // cfg.pp
+    return dense.reshape(v, cfg.pp).sum(axis=0), expert.reshape(v, cfg.pp).sum(axis=0)
+
+
+def _flat_nic_time_s(op: str, nbytes: float, n: int, cluster: Cluster, eff: CommEfficiency) -> tuple[str, float]:
+    """A flat ring at each GPU's own NIC rate (ZeRO-3 across nodes, ``StepConstants.zero3_flat_nic``)."""
+    node = min((g.node for g in cluster.groups), key=lambda t: t.nic_gbps_per_gpu * eff.of(t.nic.kind))
+    steps, factor = ring_terms(op, n)
+    bw = node.nic_gbps_per_gpu * eff.of(node.nic.kind) * 1e9
+    return node.nic.kind, steps * node.nic.latency_s + factor * nbytes / bw
+
+
+def _dp_collective(op: str, nbytes: float, group: Group, cluster: Cluster, *, flat: bool) -> tuple[str, float]:
+    if group.size == 1 or nbytes <= 0:
+        return "", 0.0
+    spans_nodes = group.size * group.stride > cluster.gpus_per_node
+    if flat and spans_nodes:
+        return _flat_nic_time_s(op, nbytes, group.size, cluster, DEFAULT_EFFICIENCY)
+    cc = collective_time_s(op, nbytes, group, cluster)
+    return cc.link_kind, cc.time_s
+
+
+def _dp_comm(workload: Workload, cfg: ParallelConfig, cluster: Cluster, dense: float, expert: float,
+             m: int, k: StepConstants) -> tuple[str, float]:
+    """Seconds of data-parallel traffic per step for one pipeline rank, and its link kind."""
+    wb = workload.dtype_bytes
+    groups = ((dense, Group(size=cfg.dp * cfg.cp, stride=cfg.tp)),
+              (expert, Group(size=max(1, cfg.dp // cfg.ep) * cfg.cp, stride=cfg.tp * cfg.ep)))
+    total, kind = 0.0, ""
+    for params, g in groups:
+        nbytes = params * wb
+        if cfg.zero_stage == 0:
+            parts = [("all_reduce", 1)]
+        elif cfg.zero_stage in (1, 2):
+            parts = [("reduce_scatter", 1), ("all_gather", 1)]
+        else:
+            gathers = 2 + (1 if cfg.recompute == "full" and k.zero3_passes_recompute else 0)
+            parts = [("all_gather", gathers * m), ("reduce_scatter", m)]
+        for op, times in parts:
+            lk, t = _dp_collective(op, nbytes, g, cluster, flat=cfg.zero_stage == 3 and k.zero3_flat_nic)
+            if t * times > total / 2:
+                kind = lk or kind
+            total += t * times
+    return kind, total
+
+
+def _exposed(comm_s: float, window_s: float, k: StepConstants) -> float:
+    return max(0.0, comm_s - window_s) + k.overlap_slowdown * min(comm_s, window_s)
+
+
+def _pipeline(workload: Workload, cfg: ParallelConfig, cluster: Cluster, ch: dict[str, np.ndarray],
+              m: int) -> dict:
+    """Per-chunk F / B / W seconds, the pipeline time and the busiest rank's split of its work."""
+    pp, v = cfg.pp, cfg.virtual_stages
+    kinds = sorted({key[3:] for key in ch if key.startswith(("cf:", "cb:"))})
+    comm_f = {kd: ch.get(f"cf:{kd}", np.zeros(pp * v)) for kd in kinds}
+    comm_b = {kd: ch.get(f"cb:{kd}", np.zeros(pp * v)) for kd in kinds}
+    tf = ch["fwd"] + sum(comm_f.values(), np.zeros(pp * v))
+    tb = ch["bwd"] + ch["rec"] + sum(comm_b.values(), np.zeros(pp * v))
+    tw = np.zeros(pp * v)
+    if cfg.schedule == "zero-bubble":
+        tw = ch["wgrad"]
+        tb = tb - tw
+    p2p_kind, p2p = _p2p_s(workload, cfg, cluster)
+    total = pl._closed_form_s(cfg.schedule, pp=pp, m=m, v=v, tf=tf, tb=tb, tw=tw, p2p_s=p2p)
+    per_rank = (tf + tb + tw).reshape(v, pp).sum(axis=0)
+    r = int(np.argmax(per_rank))
+    on_rank = lambda a: float(a.reshape(v, pp)[:, r].sum())  # noqa: E731
+    parts = {"compute": m * on_rank(ch["fwd"] + ch["bwd"] + ch["rec"])}
+    for kd in kinds:
+        parts[f"comm_{kd}"] = m * on_rank(comm_f[kd] + comm_b[kd])
+    no_p2p = pl._closed_form_s(cfg.schedule, pp=pp, m=m, v=v, tf=tf, tb=tb, tw=tw, p2p_s=0.0)
+    parts["bubble"] = no_p2p - m * float(per_rank[r])
+    if p2p_kind:
+        parts[f"comm_{p2p_kind}"] = parts.get(f"comm_{p2p_kind}", 0.0) + total - no_p2p
+    return {"total_s": total, "per_rank_s": per_rank, "parts": parts, "p2p_kind": p2p_kind,
+            "bwd_rank_s": (tb + tw).reshape(v, pp).sum(axis=0)}
+
+
+def _data_parallel(workload: Workload, cfg: ParallelConfig, cluster: Cluster, dense: np.ndarray,
+                   expert: np.ndarray, pipe: dict, m: int, k: StepConstants, device: Accelerator) -> dict:
+    """Exposed dp seconds and optimizer seconds: the slowest pipeline rank of each."""
+    memo: dict[tuple[float, float], tuple[str, float]] = {}
+    exposed, kind = 0.0, ""
+    for r in range(cfg.pp):
+        key = (float(dense[r]), float(expert[r]))
+        if key not in memo:
+            memo[key] = _dp_comm(workload, cfg, cluster, key[0], key[1], m, k)
+        lk, t = memo[key]
+        if not cfg.overlap_grad_reduce:
+            window = 0.0
+        elif cfg.zero_stage == 3:
+            window = pipe["total_s"]
+        else:
+            window = float(pipe["bwd_rank_s"][r])
+        e = _exposed(t, window, k)
+        if e >= exposed:
+            exposed, kind = e, lk
+    sharded = cfg.zero_stage >= 1
+    shard = dense / (cfg.dp * cfg.cp if sharded else 1) + expert / (
+        max(1, cfg.dp // cfg.ep) * cfg.cp if sharded else 1)
+    opt = op_time_s(flops=0.0, bytes_moved=float(shard.max()) * k.optimizer_bytes_per_param,
+                    op_class="elementwise", device=device, calibration=cluster.calibration)
+    return {"exposed_s": exposed, "kind": kind, "optimizer_s": opt}
+
+
+def _memory(workload: Workload, cfg: ParallelConfig, uniques: list, counts: np.ndarray, dense: np.ndarray,
+            expert: np.ndarray, m: int, mc: mem.MemoryConstants) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Memory terms per pipeline rank (arrays of bytes) and the totals with the allocator reserve."""
+    w, pp, v, b = workload, cfg.pp, cfg.virtual_stages, cfg.microbatch
+    sp = cfg.sequence_parallel and cfg.tp > 1
+    dims = dict(seq=w.seq, microbatch=b, hidden=w.hidden, heads=w.heads, tp=cfg.tp, sp=sp, cp=cfg.cp,
+                flash=cfg.flash_attention, ffn_hidden=w.ffn_hidden, kv_heads=w.kv_heads, glu=w.glu)
+    per_layer = mem.activation_bytes_per_layer(recompute=cfg.recompute, **dims)
+    working = 0.0
+    if cfg.recompute == "full":
+        working = mem.full_layer_activation_bytes(**dims)
+    elif cfg.recompute == "selective" and not cfg.flash_attention:
+        working = 5.0 * w.heads * w.seq * w.seq * b / (cfg.tp * cfg.cp * cfg.cp)
+    is_tr = np.array([1.0 if l.kind == "transformer" else 0.0 for l in uniques])
+    tr_per_rank = (counts @ is_tr).reshape(v, pp).sum(axis=0)
+    inflight = np.array([pl.inflight_microbatches(cfg.schedule, pp=pp, stage=r, num_microbatches=m,
+                                                  virtual_stages=v) for r in range(pp)])
+    terms = mem.model_state_bytes(params=dense, zero_stage=cfg.zero_stage, dp=cfg.dp * cfg.cp, constants=mc)
+    if expert.any():
+        ex = mem.model_state_bytes(params=expert, zero_stage=cfg.zero_stage,
+                                   dp=max(1, cfg.dp // cfg.ep) * cfg.cp, constants=mc)
+        terms = {key: terms[key] + ex[key] for key in terms}
+    tokens = b * w.seq / cfg.cp
+    terms["activations"] = per_layer * tr_per_rank * inflight + working
+    logits = np.zeros(pp)
+    logits[-1] = tokens * max(1, w.vocab // cfg.tp) * mc.logits_bytes
+    terms["logits"] = logits
+    buffers = mc.bucket_bytes + (2.0 * tokens * w.hidden * w.dtype_bytes if cfg.tp > 1 else 0.0)
+    if cfg.zero_stage == 3:  # two layers' gathered parameters (prefetch)
+        max_layer = max((l.params for l in uniques if l.kind == "transformer"), default=0) / cfg.tp
+        buffers += 2.0 * max_layer * mc.weight_bytes
+    terms["comm_buffers"] = np.full(pp, buffers)
+    subtotal = sum(terms.values())
+    terms["allocator_reserve"] = mem.allocator_reserve_bytes(subtotal, mc)
+    return terms, subtotal + terms["allocator_reserve"]
+
+
+def _flops(cfg: ParallelConfig, uniques: tuple, counts: np.ndarray) -> tuple[float, float]:
+    """(model, hardware) FLOPs of one step: 6N + attention, plus what recomputation re-runs."""
+    n = counts.sum(axis=0)  # entries of each distinct layer
+    model = cfg.global_batch * float(n @ np.array([l.flops_fwd + l.flops_bwd for l in uniques]))
+    tr = np.array([l.kind == "transformer" for l in uniques], dtype=float) * n
+    if cfg.recompute == "full":
+        extra = float(tr @ np.array([l.flops_fwd for l in uniques]))
+    elif cfg.recompute == "selective":
+        extra = float(tr @ np.array([l.attn_flops_fwd for l in uniques]))
+    else:
+        extra = 0.0
+    return model, model + cfg.global_batch * extra
+
+
+def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_layers: tuple[int, ...] | None,
+              k: StepConstants, mc: mem.MemoryConstants) -> StepEstimate:
+    m, chunks = cfg.num_microbatches, cfg.pp * cfg.virtual_stages
+    pl.check_schedule(cfg.schedule, pp=cfg.pp, num_microbatches=m, virtual_stages=cfg.virtual_stages)
+    if stage_layers is None:
+        stage_layers = even_stage_layers(workload, chunks)
+    else:
+        stage_layers = tuple(int(x) for x in stage_layers)
+        check_stage_layers(stage_layers, workload, chunks)
+    device = _device(cluster)
+    ctx = LayerCtx(workload=workload, device=device, cluster=cluster, microbatch=cfg.microbatch, tp=cfg.tp,
+                   cp=cfg.cp, ep=cfg.ep, sp=cfg.sequence_parallel and cfg.tp > 1, recompute=cfg.recompute,
+                   flash=cfg.flash_attention, constants=k)
+    uniques, counts = _structure(workload, stage_layers)
+    ch = _chunk_arrays(uniques, counts, ctx)
+    pipe = _pipeline(workload, cfg, cluster, ch, m)
+    dense, expert = _rank_params(uniques, counts, cfg)
+    dp = _data_parallel(workload, cfg, cluster, dense, expert, pipe, m, k, device)
+    breakdown = dict(pipe["parts"])
+    if dp["exposed_s"] > 0:
+        key = f"comm_{dp['kind']}"
+        breakdown[key] = breakdown.get(key, 0.0) + dp["exposed_s"]
+    breakdown["optimizer"] = dp["optimizer_s"]
+    step_s = pipe["total_s"] + dp["exposed_s"] + dp["optimizer_s"]
+    terms, totals = _memory(workload, cfg, uniques, counts, dense, expert, m, mc)
+    worst = int(np.argmax(totals))
+    worst_mem = mem.MemoryEstimate(terms={key: float(val[worst]) for key, val in terms.items()})
+    limit_gb = min(g.node.gpu.memory_bytes for g in cluster.groups) / mem.GB
+    model_f, hw_f = _flops(cfg, uniques, counts)
+    n = cluster.num_devices
+    return StepEstimate(
+        step_time_s=step_s,
+        tokens_per_s=cfg.global_batch * workload.seq / step_s,
+        model_tflops_per_gpu=model_f / step_s / n / 1e12,
+        hw_tflops_per_gpu=hw_f / step_s / n / 1e12,
+        mfu=model_f / step_s / n / (device.tflops("bf16") * 1e12),
+        memory_gb_per_device=worst_mem.total_gb,
+        fits=worst_mem.total_gb <= limit_gb,
+        breakdown_s=breakdown,
+        memory_breakdown_gb=worst_mem.terms_gb(),
+        bottleneck=max(breakdown, key=breakdown.__getitem__),
+        stage_time_s=tuple(float(x) for x in pipe["per_rank_s"]),
+        stage_memory_gb=tuple(float(x) / mem.GB for x in totals),
+        config=cfg,
+        num_microbatches=m,
+        stage_layers=stage_layers,
+        memory=worst_mem,
+        memory_limit_gb=limit_gb,
+    )
+
+
+def _virtual_choices(workload: Workload, cfg: ParallelConfig, stage_layers) -> list[int]:
+    if stage_layers is not None:
+        return [max(1, len(stage_layers) // cfg.pp)]
+    if cfg.schedule in ("gpipe", "1f1b") or cfg.pp == 1:
+        return [1]
+    per_rank = workload.num_layers // cfg.pp
+    return [v for v in range(1, per_rank + 1) if per_rank % v == 0] or [1]
+
+
+def _choose(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_layers, k, mc) -> StepEstimate:
+    """Fill in a None micro-batch / virtual_stages: the fastest that fits, else the smallest memory."""
+    per_rank = cfg.global_batch // cfg.dp
+    mbs = [cfg.microbatch] if cfg.microbatch else [d for d in range(1, per_rank + 1) if per_rank % d == 0]
+    vs = [cfg.virtual_stages] if cfg.virtual_stages else _virtual_choices(workload, cfg, stage_layers)
+    best, errors = None, []
+    for mb in mbs:
+        for v in vs:
+            trial = dataclasses.replace(cfg, microbatch=mb, virtual_stages=v)
+            try:
+                est = _estimate(workload, trial, cluster, stage_layers, k, mc)
+            except ConfigError as e:
+                errors.append(str(e))
+                continue
+            key = (not est.fits, est.step_time_s if est.fits else est.memory_gb_per_device)
+            if best is None or key < best[0]:
+                best = (key, est)
+    if best is None:
+        raise ConfigError(f"no micro-batch in {mbs} / virtual_stages in {vs} is valid: {errors[0]}")
+    est = best[1]
+    chosen = {}
+    if cfg.microbatch is None:
+        chosen["microbatch"] = est.config.microbatch
+    if cfg.virtual_stages is None:
+        chosen["virtual_stages"] = est.config.virtual_stages
+    return dataclasses.replace(est, chosen=chosen)
+
+
+def estimate_step(
+    workload: Workload,
+    config: ParallelConfig,
+    cluster: Cluster,
+    *,
+    stage_layers: tuple[int, ...] | None = None,
+    constants: StepConstants = DEFAULT_STEP_CONSTANTS,
+    memory_constants: mem.MemoryConstants = mem.DEFAULT_MEMORY,
+) -> StepEstimate:
+    """Step time, FLOP rates, memory and breakdown of ``config`` (see the module docstring).
+
+    ``stage_layers``: workload entries per pipeline chunk (``pp * virtual_stages`` counts); None: even.
+    Raises ConfigError for invalid configurations, with the numbers and the nearest valid values.
+    """
+    validate_config(config, workload, cluster.num_devices)
+    if config.microbatch is None or config.virtual_stages is None:
+        return _choose(workload, config, cluster, stage_layers, constants, memory_constants)
+    return _estimate(workload, config, cluster, stage_layers, constants, memory_constants)
