@@ -383,6 +383,8 @@ def solve(problem: ShardingProblem, options: SolverOptions | None = None) -> Sha
     validate_problem(problem)
     _check_memory_feasible(problem)
     greedy = greedy_choice(problem)
+    if all(len(names) == 1 for names in problem.strategy_names):  # nothing to choose (tp = 1)
+        return _trivial(problem, greedy, start)
     reduced = _reduce(problem)
     solver = _create_solver(options)
     s = _add_strategy_variables(solver, problem)
@@ -393,11 +395,20 @@ def solve(problem: ShardingProblem, options: SolverOptions | None = None) -> Sha
     _add_memory_constraint(solver, s, problem)
     scale = _objective_scale(reduced)
     _set_objective(solver, s, e, reduced, scale)
-    if options.warm_start and options.backend != "HIGHS" and not math.isinf(evaluate(problem, greedy)):  # SetHint crashes the HiGHS interface (9.15)
+    # Warm start from the greedy plan (not on HiGHS: its SetHint crashes in OR-Tools 9.15).
+    if options.warm_start and options.backend != "HIGHS" and not math.isinf(evaluate(problem, greedy)):
         flat = [var for row in s for var in row]
         solver.SetHint(flat, [1.0 if greedy[i] == k else 0.0 for i, row in enumerate(s) for k in range(len(row))])
     status = _run(solver, options)
     return _solution(problem, solver, s, status=status, greedy=greedy, scale=scale, start=start)
+
+
+def _trivial(problem: ShardingProblem, choice: tuple[int, ...], start: float) -> ShardingSolution:
+    objective = evaluate(problem, choice)
+    if math.isinf(objective):
+        raise InfeasiblePlanError(f"the only assignment of the {problem.num_ops} ops has a forbidden layout pair")
+    return ShardingSolution(choice=choice, objective=objective, bound=objective, gap=0.0, status="optimal",
+                            solve_time_s=time.perf_counter() - start, memory_bytes=memory_of(problem, choice))
 
 
 def _check_memory_feasible(problem: ShardingProblem) -> None:
@@ -440,8 +451,9 @@ def _solution(problem, solver, s, *, status: int, greedy, scale: float, start: f
             f"the sharding ILP solver ({solver.SolverVersion()}) stopped with status {status} and no solution "
             f"for {problem.num_ops} ops: raise SolverOptions.time_limit_s or choose another backend"
         )
-    if memory_of(problem, choice) > problem.memory_budget_bytes * (1 + 1e-9):
-        log.warning("solver solution exceeds the memory budget within tolerance; using the greedy plan")
+    if memory_of(problem, choice) > problem.memory_budget_bytes * (1 + 1e-9) and not math.isinf(
+            evaluate(problem, greedy)):
+        log.warning("solver solution exceeds the memory budget beyond tolerance; using the greedy plan")
         choice, label = greedy, "greedy"
     objective = evaluate(problem, choice)
     if label == "optimal":
