@@ -37,9 +37,9 @@ every plan):
   passes per step: all-gather in forward, in the recomputation and in backward, reduce-scatter) were set
   against the six ZeRO-3 rows of Table 2, the only rows dominated by overlapped communication (0.12-0.35
   tried; 0.25 minimises the largest error). No constant was tuned per case.
-- Known gap: the 530B ZeRO-3 rows scale less than the model's "communication per step is independent of the
-  GPU count" (measured 640 -> 1120 GPUs: 255 s -> 180 s per step; the model: 294 s -> 205 s), so 530B at 640
-  GPUs is predicted 13% high and at 1120 GPUs 12% low; every other row is within 7%.
+- Known gap: the 530B ZeRO-3 rows do not follow the model's "communication per step is independent of the
+  GPU count": measured 256 s / 180 s / 184 s per step at 640 / 1120 / 2240 GPUs, predicted 226 / 205 / 195 s,
+  so 530B at 640 GPUs is predicted 13% fast and at 1120 GPUs 12% slow; every other row is within 9%.
 - ``costmodel.memory.MemoryConstants``: bytes per parameter (ZeRO paper), allocator reserve.
 """
 
