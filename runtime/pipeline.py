@@ -121,6 +121,10 @@ class PipelineChunk(nn.Module):
                 hidden = self._adapter.run_layer(self.get_submodule(fqn), hidden, context)
         for fqn in self.post_fqns:
             hidden = self.get_submodule(fqn)(hidden)
+        if hidden._base is not None:
+            # OPT layers return a view; FSDP2 warns that a chunk output view loses its pre-backward hook
+            # under an in-place op. One copy per micro-batch and chunk keeps that off the table.
+            hidden = hidden.clone()
         return hidden  # (B, T, H), or logits (B, T, V) after the head
 
 
