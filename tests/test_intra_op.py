@@ -349,3 +349,13 @@ def test_coarsened_graph_is_refused(traced, cluster) -> None:
     layer = next(b for b in find_blocks(coarse) if b.kind == "transformer")
     with pytest.raises(UnsupportedModelError, match="before planner.graph.coarsen"):
         block_strategy(layer, graph=coarse, tp=2, microbatch=1, seq=dims.seq, cluster=cluster)
+
+
+def test_sequence_parallel_needs_executable_gathers(traced, cluster) -> None:
+    """With tp not dividing kv_heads, attention is replicated; under SP nothing can gather its input."""
+    from planner.search.block_plan import block_strategy
+
+    graph, layers, dims = traced[LLAMA_BLOCK]
+    with pytest.raises(InfeasiblePlanError, match="no sequence-parallel sharding is executable at tp=16"):
+        block_strategy(layers[0], graph=graph, tp=16, microbatch=1, seq=dims.seq, sequence_parallel=True,
+                       cluster=cluster)

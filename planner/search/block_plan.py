@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from costmodel.errors import ConfigError
+from costmodel.errors import ConfigError, InfeasiblePlanError
 from planner.plan import ModuleSharding
 from planner.search import intra_op
 from planner.search.strategies import (
@@ -98,7 +98,8 @@ def edge_collectives(src: OpStrategy, dst: OpStrategy, index: int, nbytes: float
     """Forward conversion of the producer's output into the consumer's input ``index`` (None: not
     executable), and the backward conversion of the consumer's input gradient into the producer's layout.
     ``into_output``: the consumer is the block's output (the next block's input preparation)."""
-    fwd = forward_conversion(src.out_layout, dst.in_layouts[index], nbytes, at_block_boundary=into_output)
+    fwd = forward_conversion(src.out_layout, dst.in_layouts[index], nbytes, at_block_boundary=into_output,
+                             consumer_gathers=dst.gathers_sequence)
     bwd = conversion(dst.grad_layouts[index], dual(src.out_layout), nbytes)
     return fwd, bwd
 
@@ -362,12 +363,30 @@ def block_strategy(block, *, graph, tp: int, cp: int = 1, ep: int = 1, microbatc
             return hit
     ops = layer_ops_from_block(block, graph, microbatch=microbatch, seq=seq, dtype=dtype)
     ctx = cluster_cost_context(cluster, mesh=mesh, device=gpu, dtype=dtype, first_rank=first_rank)
-    result = solve_block(ops, mesh=mesh, ctx=ctx, recompute=recompute, state_bytes_per_param=state_bytes_per_param,
-                         activation_multiplier=activation_multiplier, mem_budget_bytes=mem_budget_bytes,
-                         options=options, periodic=getattr(block, "kind", "transformer") == "transformer")
+    try:
+        result = solve_block(ops, mesh=mesh, ctx=ctx, recompute=recompute,
+                             state_bytes_per_param=state_bytes_per_param, activation_multiplier=activation_multiplier,
+                             mem_budget_bytes=mem_budget_bytes, options=options,
+                             periodic=getattr(block, "kind", "transformer") == "transformer")
+    except InfeasiblePlanError as e:
+        raise _explain_infeasible(e, block=block, ops=ops, mesh=mesh) from None
     if cache is not None:
         cache.put(key, result)
     return result
+
+
+def _explain_infeasible(e: InfeasiblePlanError, *, block, ops: Sequence[LayerOp], mesh: MeshShape) -> InfeasiblePlanError:
+    if not mesh.sequence_parallel or "layout-consistent" not in str(e):
+        return e
+    stuck = [op.modules[0] if op.modules else op.name for op in ops
+             if not any(s.gathers_sequence or "S_seq" in s.in_layouts for s in candidates(op, mesh))
+             and op.kind not in ("input", "output", "attention")]
+    return InfeasiblePlanError(
+        f"block {block.name!r}: no sequence-parallel sharding is executable at tp={mesh.tp}: "
+        f"{', '.join(stuck) or 'some ops'} would need the full sequence replicated, and the runtime gathers the "
+        "sequence only into colwise linears (e.g. tp does not divide kv_heads, or an MoE router / experts); "
+        "plan with sequence_parallel=False, or a tp dividing the head counts"
+    )
 
 
 def _cluster_key(cluster) -> tuple:

@@ -37,7 +37,9 @@ entry applied to the op's modules):
 Resharding on an edge (``forward_conversion``): S_seq -> R all-gather, P -> R all-reduce, P -> S_seq
 reduce-scatter; other changes (R -> S_* slices, S_hid -> R gathers, S_seq <-> S_hid all-to-all) are not
 expressible by a module style and are forbidden pairs for the ILP, except R -> S_seq into the block's output
-(PrepareModuleInput on the next block: a local slice). The backward pass converts the
+(PrepareModuleInput on the next block: a local slice). S_seq -> R feeds only colwise linears and the LM head
+(ColwiseParallel(input_layouts=Shard(1)) gathers): with sequence parallelism a replicated linear, router or
+experts module cannot get the full sequence, so such blocks have no sequence-parallel plan. The backward pass converts the
 consumer's input gradient back to the producer's output layout (``conversion``; the gradient of a P output
 is R), so Megatron's ``f``/``g`` operators appear as edge costs: colwise after a
 replicated norm costs one backward all-reduce, with sequence parallelism an all-gather forward and a
@@ -117,6 +119,9 @@ class OpStrategy:
     comm_bwd: tuple[Collective, ...] = ()
     matmul_split: str = ""
     """Which matmul dimension the strategy splits over tp: ``n`` (column), ``k`` (row) or none."""
+    gathers_sequence: bool = False
+    """The style can take a sequence-sharded input and all-gather it (ColwiseParallel input_layouts=Shard(1));
+    other replicated consumers cannot be fed from S_seq (the runtime gathers only into colwise regions)."""
 
     def local_mnk(self, mnk: tuple[int, ...], *, tp: int, cp: int) -> tuple[int, ...] | None:
         """The matmul shape one rank runs (None when the op has no matmul shape)."""
@@ -165,13 +170,16 @@ def conversion(src: Layout, dst: Layout, nbytes: float) -> tuple[Collective, ...
     return (Collective(kind=kind, nbytes=nbytes),)
 
 
-def forward_conversion(src: Layout, dst: Layout, nbytes: float, *, at_block_boundary: bool = False
-                       ) -> tuple[Collective, ...] | None:
+def forward_conversion(src: Layout, dst: Layout, nbytes: float, *, at_block_boundary: bool = False,
+                       consumer_gathers: bool = True) -> tuple[Collective, ...] | None:
     """Like ``conversion`` for the forward pass, or None when the runtime cannot perform the change. At a block
     boundary a replicated tensor may also be sliced along the sequence (PrepareModuleInput on the next block,
-    input_layouts=Replicate(), desired_input_layouts=Shard(1))."""
+    input_layouts=Replicate(), desired_input_layouts=Shard(1)); S_seq -> R only into a consumer whose style
+    gathers (``consumer_gathers``)."""
     if at_block_boundary and (src, dst) == ("R", "S_seq"):
         return ()
+    if (src, dst) == ("S_seq", "R") and not consumer_gathers:
+        return None
     if src != dst and (src, dst) not in EXECUTABLE_CONVERSIONS:
         return None
     return conversion(src, dst, nbytes)
@@ -197,7 +205,7 @@ def _linear(op: LayerOp, mesh: MeshShape) -> list[OpStrategy]:
     if _divides(t, tuple(outs)):
         out.append(OpStrategy(name="colwise", style="colwise", in_layouts=("R",), grad_layouts=("P",),
                               out_layout="S_hid", work_fraction=1 / t, param_fraction=1 / t, act_fraction=1 / t,
-                              matmul_split="n"))
+                              matmul_split="n", gathers_sequence=True))
     if fan_in % t == 0 and fan_in > 0 and len(op.modules) == 1:
         out.append(OpStrategy(name="rowwise", style="rowwise", in_layouts=("S_hid",), grad_layouts=("S_hid",),
                               out_layout="P", work_fraction=1 / t, param_fraction=1 / t, act_fraction=1.0,
@@ -273,7 +281,7 @@ def _head(op: LayerOp, mesh: MeshShape) -> list[OpStrategy]:
     if mesh.tp > 1 and _divides(mesh.tp, op.shard_dims[:1]):  # shard_dims = (vocab, hidden)
         out.append(OpStrategy(name="vocab_head", style="vocab_head", in_layouts=("R",), grad_layouts=("P",),
                               out_layout="S_hid", work_fraction=1 / mesh.tp, param_fraction=1 / mesh.tp,
-                              act_fraction=1 / mesh.tp, matmul_split="n"))
+                              act_fraction=1 / mesh.tp, matmul_split="n", gathers_sequence=True))
     return out
 
 
