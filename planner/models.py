@@ -149,6 +149,19 @@ def build_model(spec: str, *, batch: int = 1, seq: int | None = None, device: st
     )
 
 
+def model_dims(spec: str, *, seq: int | None = None) -> ModelDims:
+    """The dimensions ``spec`` names, without building the model (not for ``module.path:function`` specs)."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError(f"model spec must be a non-empty string, got {spec!r}; presets: {_preset_list()}")
+    dims, _ = _resolve(spec.strip())
+    if dims is None:
+        raise ConfigError(f"{spec!r} is user code: its dimensions are known only after build_model()")
+    if seq is not None:
+        _check_positive("seq", seq)
+        dims = replace(dims, seq=seq)
+    return dims
+
+
 def _resolve(spec: str) -> tuple[ModelDims | None, Callable | None]:
     """(dims, maker) for every form but user code, which gives (None, None)."""
     if spec in _MEGATRON:

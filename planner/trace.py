@@ -28,6 +28,7 @@ import re
 import time
 import traceback
 from collections import Counter
+from dataclasses import replace
 from typing import Any, Iterator
 
 from costmodel.errors import UnsupportedModelError
@@ -40,14 +41,16 @@ _GATHER_OPS = frozenset({"index", "index_select", "gather", "_unsafe_index"})
 
 
 def find_layer_list(model: Any) -> tuple[str, Any] | None:
-    """(FQN, ModuleList) of the model's transformer layers: the longest ModuleList of one module class."""
+    """(FQN, ModuleList) of the model's transformer layers: the longest ``nn.ModuleList`` (ties: the one with
+    fewer module classes, then the first); None when the model has no ModuleList of two or more modules."""
     import torch.nn as nn
 
-    best = None
+    best, best_key = None, None
     for fqn, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) >= 2 and len({type(m) for m in mod}) == 1:
-            if best is None or len(mod) > len(best[1]):
-                best = (fqn, mod)
+        if isinstance(mod, nn.ModuleList) and len(mod) >= 2:
+            key = (len(mod), -len({type(m) for m in mod}))
+            if best_key is None or key > best_key:
+                best, best_key = (fqn, mod), key
     return best
 
 
@@ -64,8 +67,6 @@ def trace(model: Any, example_inputs: tuple, *, full_depth: bool = False, causal
         graph = _graph_from_export(ep, layer_parent=found[0] if found else None, layer_fqns=layer_fqns,
                                    causal_mask=causal_mask)
     unsupported = tuple(sorted(Counter(op_name_of(n) for n in graph.nodes if not n.covered).items()))
-    from dataclasses import replace
-
     return replace(graph, unsupported=unsupported, trace_time_s=time.perf_counter() - t0)
 
 
@@ -123,14 +124,19 @@ def _structure_key(layer: Any) -> tuple:
 
 
 def _representatives(layers: Any) -> tuple[list[int], list[int], list[tuple]]:
-    """(keep: full indices to trace, rep: full index -> position in keep, key of each kept layer)."""
+    """(keep: full indices to trace, rep: full index -> position in keep, structure key of each kept layer).
+
+    The first two layers of every structure are traced (so a repeated structure is seen fed by another layer,
+    and its two copies can be compared); every other layer copies the second one of its structure.
+    """
     keys = [_structure_key(layer) for layer in layers]
-    first: dict[tuple, int] = {}
+    seen: dict[tuple, list[int]] = {}
     for i, k in enumerate(keys):
-        first.setdefault(k, i)
-    keep = sorted(set(first.values()) | {1})  # at least two copies, so that repetition is checked
+        if len(seen.setdefault(k, [])) < 2:
+            seen[k].append(i)
+    keep = sorted(i for idx in seen.values() for i in idx)
     pos = {full: j for j, full in enumerate(keep)}
-    rep = [pos.get(i, pos[first[keys[i]]]) for i in range(len(keys))]
+    rep = [pos[i] if i in pos else pos[seen[keys[i]][-1]] for i in range(len(keys))]
     return keep, rep, [keys[i] for i in keep]
 
 
@@ -188,7 +194,10 @@ def _expand(reduced: OpGraph, *, rep: list[int], keys: list[tuple], full_fqns: t
     links = _classify_edges(reduced)
     if links is None:
         return None
-    return _materialize(reduced, groups, links, rep=rep, full_fqns=full_fqns)
+    try:
+        return _materialize(reduced, groups, links, rep=rep, full_fqns=full_fqns)
+    except (KeyError, IndexError):  # a layer's stream slots have no counterpart in its predecessor
+        return None
 
 
 def _classify_edges(reduced: OpGraph) -> dict | None:
@@ -225,8 +234,6 @@ def _classify_edges(reduced: OpGraph) -> dict | None:
 
 def _materialize(reduced: OpGraph, groups: dict[str, list[OpNode]], links: dict, *, rep: list[int],
                  full_fqns: tuple[str, ...]) -> OpGraph:
-    from dataclasses import replace
-
     red_fqns = reduced.layer_fqns
     nk = len(red_fqns)
     name_in = lambda name, i: f"{name}@{i}"  # noqa: E731
@@ -302,7 +309,7 @@ def _graph_from_export(ep: Any, *, layer_parent: str | None, layer_fqns: tuple[s
             seen_layer = True
         else:
             block = "head" if seen_layer else "embedding"
-        nodes.append(_with_block(node, block))
+        nodes.append(replace(node, block=block))
         for f, shape, _ in node.params:
             param_sizes.setdefault(f, _numel(shape))
         for src in _tensor_inputs(fx):
@@ -310,12 +317,6 @@ def _graph_from_export(ep: Any, *, layer_parent: str | None, layer_fqns: tuple[s
                 edges[(src.name, fx.name)] = eff_bytes.get(src.name, 0.0)
     return OpGraph(nodes=tuple(nodes), edges=tuple(Edge(src=s, dst=d, nbytes=b) for (s, d), b in edges.items()),
                    param_sizes=tuple(param_sizes.items()), layer_fqns=layer_fqns, traced_layers=len(layer_fqns))
-
-
-def _with_block(node: OpNode, block: str) -> OpNode:
-    from dataclasses import replace
-
-    return replace(node, block=block)
 
 
 def _layer_of(module_fqn: str, parent: str | None, layers: set[str]) -> str:

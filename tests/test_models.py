@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from costmodel.errors import ConfigError
-from planner.models import build_model, list_presets
+from planner.models import build_model, list_presets, model_dims
 
 
 def _numel(model) -> int:
@@ -43,10 +43,11 @@ def test_megatron_presets_match_the_published_table():
              529.6: "megatron-530b", 1008.0: "megatron-1t"}
     for row in rows:
         m = row["model"]
-        d = build_model(names[m["params_b"]]).dims
+        d = model_dims(names[m["params_b"]])
         assert (d.layers, d.hidden, d.heads, d.ffn_hidden) == (m["layers"], m["hidden"], m["heads"], m["ffn_hidden"])
-    d175 = build_model("gpt3-175b").dims
-    d530 = build_model("megatron-530b").dims
+    d175 = model_dims("gpt3-175b")
+    d530 = model_dims("megatron-530b", seq=4096)
+    assert d530.seq == 4096 and build_model("megatron-530b").dims == model_dims("megatron-530b")
     assert (d175.layers, d175.hidden, d175.heads) == (96, 12288, 96)
     assert (d530.layers, d530.hidden, d530.heads) == (105, 20480, 128)
 

@@ -188,3 +188,64 @@ def test_cli_json_and_table(capsys):
     assert "model.decoder.layers.0-2" in text
     assert main(["trace", "--model", "nonsense"]) == 1
     assert "unknown model spec" in capsys.readouterr().err
+
+
+class _Layer(nn.Module):
+    def __init__(self, width: int, idx: int, first_special: bool = False):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, width), nn.Linear(width, 16)
+        self.idx, self.first_special = idx, first_special
+
+    def forward(self, x):
+        y = x + self.down(torch.relu(self.up(x)))
+        if self.first_special and self.idx == 0:  # index-dependent behaviour the structure does not show
+            y = y * 2
+        return y
+
+
+class _Stack(nn.Module):
+    def __init__(self, widths, first_special=False):
+        super().__init__()
+        self.layers = nn.ModuleList(_Layer(w, i, first_special) for i, w in enumerate(widths))
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
+def _compare_short_full(model, x):
+    short = trace(model, (x,))
+    full = trace(model, (x,), full_depth=True)
+    key = lambda g: Counter((n.target, n.module_fqn, n.output_shapes) for n in g.nodes)  # noqa: E731
+    mod = lambda g: {n.name: n.module_fqn for n in g.nodes}  # noqa: E731
+    edges = lambda g: Counter((mod(g)[e.src], mod(g)[e.dst], e.nbytes) for e in g.edges)  # noqa: E731
+    assert key(short) == key(full) and edges(short) == edges(full)
+    assert (short.params, short.model_flops) == (full.params, full.model_flops)
+    return short
+
+
+def test_shortcut_with_two_layer_types():
+    with torch.device("meta"):
+        model = _Stack([32, 64, 32, 64, 32, 64])
+    g = _compare_short_full(model, torch.zeros(2, 5, 16, device="meta"))
+    assert g.traced_layers == 4 and len(g.layer_fqns) == 6  # the first two of each structure
+    from planner.graph import find_block_groups, find_blocks
+
+    groups = [gr.members for gr in find_block_groups(find_blocks(g)) if gr.members[0].startswith("layers")]
+    assert groups == [("layers.0", "layers.2", "layers.4"), ("layers.1", "layers.3", "layers.5")]
+
+
+def test_shortcut_falls_back_when_copies_differ():
+    with torch.device("meta"):
+        model = _Stack([32] * 5, first_special=True)
+    g = _compare_short_full(model, torch.zeros(2, 5, 16, device="meta"))
+    assert g.traced_layers == 5  # layer 0 traced differently from layer 1: exported at full depth
+
+
+def test_shortcut_with_a_single_odd_layer():
+    with torch.device("meta"):
+        model = _Stack([32, 32, 32, 32, 64])
+    g = _compare_short_full(model, torch.zeros(2, 5, 16, device="meta"))
+    assert g.traced_layers == 3  # layers 0, 1 and the odd 4
