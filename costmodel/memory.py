@@ -93,8 +93,7 @@ def model_state_bytes(
 
 
 def activation_terms(
-    *, hidden: int, heads: int, seq: int, ffn_hidden: int | None = None, kv_heads: int | None = None,
-    glu: bool = False,
+    *, hidden: int, heads: int, ffn_hidden: int | None = None, kv_heads: int | None = None, glu: bool = False
 ) -> tuple[float, float, float]:
     """Korthikanti's per-layer coefficients ``(replicated, tp_sharded, scores)``: bytes =
     ``s b h (replicated + tp_sharded) + scores * a s^2 b`` before any division (``(10, 24, 5)`` for GPT)."""
@@ -128,8 +127,8 @@ def activation_bytes_per_layer(
     sbh = seq * microbatch * hidden / cp
     if recompute == "full":
         return 2.0 * sbh / (tp if sp else 1)
-    rep, shard, score = activation_terms(hidden=hidden, heads=heads, seq=seq, ffn_hidden=ffn_hidden,
-                                         kv_heads=kv_heads, glu=glu)
+    rep, shard, score = activation_terms(hidden=hidden, heads=heads, ffn_hidden=ffn_hidden, kv_heads=kv_heads,
+                                         glu=glu)
     total = sbh * (rep / (tp if sp else 1) + shard / tp)
     if recompute == "none" and not flash:
         # a s^2 b per layer; with cp each rank holds its s/cp query rows against all s keys
