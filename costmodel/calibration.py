@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 import tomllib
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +98,9 @@ class CollectiveFit:
     """Bus bandwidth, GB/s (nccl-tests convention: plugs into the ring formula as ``bw``)."""
     max_ranks: int
     """Largest rank count measured (the fit is used for groups up to any size, but say what it saw)."""
+    ranks: int = 0
+    """0: fitted over every rank count (used for unmeasured group sizes); n: fitted to the n-rank points only
+    (captures what the ring model does not, e.g. more processes than cores)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -135,11 +138,17 @@ class Calibration:
         """The fit for ``dtype``, else for fp32 (what CPUs run), else any."""
         return self.matmul_fit(dtype) or self.matmul_fit("fp32") or (self.matmul_fits[0] if self.matmul_fits else None)
 
-    def collective_fit(self, op: str) -> CollectiveFit | None:
+    def collective_fit(self, op: str, ranks: int | None = None) -> CollectiveFit | None:
+        """The fit for ``op`` on ``ranks`` ranks if that size was measured, else the all-sizes fit."""
+        overall = None
         for fit in self.collective_fits:
-            if fit.op == op:
+            if fit.op != op:
+                continue
+            if ranks is not None and fit.ranks == ranks:
                 return fit
-        return None
+            if fit.ranks == 0:
+                overall = fit
+        return overall
 
     @property
     def max_ranks(self) -> int:
@@ -173,13 +182,16 @@ def fit_matmul(points: tuple[MatmulPoint, ...] | list[MatmulPoint], dtype: str) 
     return MatmulFit(dtype=dtype, peak_tflops=best[1], dim_half=best[2], flops_half=best[3])
 
 
-def fit_collective(points: tuple[CollectivePoint, ...] | list[CollectivePoint], op: str) -> CollectiveFit:
-    """Least-squares alpha (latency) and bus bandwidth for ``op`` over every measured (ranks, bytes) point."""
+def fit_collective(
+    points: tuple[CollectivePoint, ...] | list[CollectivePoint], op: str, *, ranks: int = 0
+) -> CollectiveFit:
+    """Least-squares alpha (latency) and bus bandwidth for ``op`` over the measured (ranks, bytes) points:
+    all of them (``ranks=0``) or those of one rank count."""
     from costmodel.comm import ring_terms  # comm owns the formulas; imported here to keep load order simple
 
-    pts = [p for p in points if p.op == op]
+    pts = [p for p in points if p.op == op and (ranks == 0 or p.ranks == ranks)]
     if not pts:
-        raise ProfileError(f"no {op} measurements to fit")
+        raise ProfileError(f"no {op} measurements{f' on {ranks} ranks' if ranks else ''} to fit")
     rows, rhs = [], []
     for p in pts:
         steps, factor = ring_terms(op, p.ranks)
@@ -194,7 +206,9 @@ def fit_collective(points: tuple[CollectivePoint, ...] | list[CollectivePoint], 
         alpha = 0.0
     elif alpha < 0:  # bandwidth-dominated data: refit bandwidth with zero latency
         alpha, beta = 0.0, float(np.linalg.lstsq(a[:, 1:2], b, rcond=None)[0][0])
-    return CollectiveFit(op=op, latency_s=float(alpha), bus_gbps=float(1.0 / beta / 1e9), max_ranks=max(p.ranks for p in pts))
+    return CollectiveFit(
+        op=op, latency_s=float(alpha), bus_gbps=float(1.0 / beta / 1e9), max_ranks=max(p.ranks for p in pts), ranks=ranks
+    )
 
 
 LARGE_MEMBOUND_BYTES = 32e6
@@ -228,6 +242,12 @@ def build_calibration(
     """A ``Calibration`` from raw measurements, with every fit computed."""
     dtypes = sorted({p.dtype for p in matmul})
     ops = [op for op in COLLECTIVE_OPS if any(p.op == op for p in collectives)]
+    fits = []
+    for op in ops:
+        fits.append(fit_collective(collectives, op))
+        sizes = sorted({p.ranks for p in collectives if p.op == op})
+        if len(sizes) > 1:
+            fits += [fit_collective(collectives, op, ranks=n) for n in sizes]
     cal = Calibration(
         device_name=device_name,
         accelerator=accelerator,
@@ -239,7 +259,7 @@ def build_calibration(
         membound_gbps=membound_rate_gbps(membound),
         collectives=tuple(collectives),
         matmul_fits=tuple(fit_matmul(matmul, d) for d in dtypes),
-        collective_fits=tuple(fit_collective(collectives, op) for op in ops),
+        collective_fits=tuple(fits),
         threads_per_rank=threads_per_rank,
         torch_version=torch_version,
         notes=notes,
@@ -286,15 +306,16 @@ def _items(data: dict, key: str, cls: type, *, where: str) -> tuple:
     if not isinstance(raw, list):
         raise ProfileError(f"{where}: key {key!r} must be a list of tables, got {type(raw).__name__}")
     names = [f.name for f in fields(cls)]
+    required = [f.name for f in fields(cls) if f.default is MISSING]
     out = []
     for i, item in enumerate(raw):
         here = f"{where}: {key}[{i}]"
         if not isinstance(item, dict):
             raise ProfileError(f"{here} must be a table with keys {names}")
-        missing = [n for n in names if n not in item]
+        missing = [n for n in required if n not in item]
         if missing:
-            raise ProfileError(f"{here}: missing key {missing[0]!r}; required keys: {', '.join(names)}")
-        out.append(cls(**{n: item[n] for n in names}))
+            raise ProfileError(f"{here}: missing key {missing[0]!r}; required keys: {', '.join(required)}")
+        out.append(cls(**{n: item[n] for n in names if n in item}))
     return tuple(out)
 
 

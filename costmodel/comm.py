@@ -280,7 +280,7 @@ def _calibrated(op: str, nbytes: float, n: int, cluster: Cluster, kind: str, nod
         return None
     if nodes > 1 and kind != "loopback":
         return None
-    fit = cal.collective_fit(op) or (cal.collective_fit("all_reduce") if op == "broadcast" else None)
+    fit = cal.collective_fit(op, n) or (cal.collective_fit("all_reduce", n) if op == "broadcast" else None)
     if fit is None:
         return None
     steps, factor = ring_terms(op, n)

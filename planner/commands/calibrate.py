@@ -29,6 +29,7 @@ def run(args: argparse.Namespace) -> int:
         )
     print(f"  memory-bound (a + b): {cal.membound_gbps:.2f} GB/s")
     for cfit in cal.collective_fits:
-        print(f"  {cfit.op:>14}: latency {cfit.latency_s * 1e6:.1f} us, bus bandwidth {cfit.bus_gbps:.3f} GB/s (up to {cfit.max_ranks} ranks)")
+        ranks = f"2..{cfit.max_ranks} ranks" if cfit.ranks == 0 else f"{cfit.ranks} ranks"
+        print(f"  {cfit.op:>14} ({ranks}): latency {cfit.latency_s * 1e6:.1f} us, bus bandwidth {cfit.bus_gbps:.3f} GB/s")
     print(f"wrote {path}  (use it with --cluster local --profile {path})")
     return 0

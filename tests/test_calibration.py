@@ -1,0 +1,163 @@
+"""Calibration: fits recover known parameters, save -> load round trip, validation, the calibrated cluster."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from costmodel.calibration import (
+    CollectivePoint,
+    MatmulFit,
+    MatmulPoint,
+    MemboundPoint,
+    build_calibration,
+    fit_collective,
+    fit_matmul,
+    load_calibration,
+    save_calibration,
+)
+from costmodel.comm import Group, collective_time_s, ring_terms
+from costmodel.compute import op_time_s
+from costmodel.errors import ProfileError
+from costmodel.profiles import PROFILES_DIR, resolve_cluster
+
+TRUE_MATMUL = MatmulFit(dtype="fp32", peak_tflops=0.05, dim_half=16.0, flops_half=2e5)
+SHAPES = ((64, 64, 64), (128, 128, 128), (256, 256, 256), (512, 512, 512), (16, 512, 512), (512, 512, 8), (32, 1024, 256))
+ALPHA_S, BUS_GBPS = 3e-4, 0.8
+
+
+def _synthetic():
+    matmul = tuple(
+        MatmulPoint(m=m, n=n, k=k, dtype="fp32", time_s=2 * m * n * k / (TRUE_MATMUL.tflops(m, n, k) * 1e12))
+        for m, n, k in SHAPES
+    )
+    membound = tuple(MemboundPoint(nbytes=float(b), time_s=b / 9e9) for b in (1 << 20, 1 << 25, 1 << 27))
+    collectives = []
+    for op in ("all_reduce", "all_gather", "send_recv"):
+        for ranks in (2, 3, 4) if op != "send_recv" else (2,):
+            for nbytes in (1e3, 1e5, 1e7):
+                steps, factor = ring_terms(op, ranks)
+                t = steps * ALPHA_S + factor * nbytes / (BUS_GBPS * 1e9)
+                collectives.append(CollectivePoint(op=op, ranks=ranks, nbytes=nbytes, time_s=t))
+    return build_calibration(
+        device_name="Synthetic CPU (2 cores)", accelerator="cpu-local", date="2026-12-02T00:00:00+00:00",
+        backend="gloo", memory_gb=16.0, matmul=matmul, membound=membound, collectives=tuple(collectives),
+    )  # fmt: skip
+
+
+def test_fits_recover_the_generating_parameters():
+    cal = _synthetic()
+    fit = fit_matmul(cal.matmul, "fp32")
+    for m, n, k in SHAPES:
+        assert fit.tflops(m, n, k) == pytest.approx(TRUE_MATMUL.tflops(m, n, k), rel=0.05)
+    for op in ("all_reduce", "all_gather", "send_recv"):
+        cfit = fit_collective(cal.collectives, op)
+        assert cfit.latency_s == pytest.approx(ALPHA_S, rel=1e-6)
+        assert cfit.bus_gbps == pytest.approx(BUS_GBPS, rel=1e-6)
+    assert cal.membound_gbps == pytest.approx(9.0)  # the >= 32 MB points, not the cached 1 MB one
+
+
+@pytest.mark.parametrize("suffix", [".json", ".toml"])
+def test_round_trip(tmp_path, suffix):
+    cal = _synthetic()
+    path = save_calibration(cal, tmp_path / f"cal{suffix}")
+    assert load_calibration(path) == cal
+
+
+def test_calibrated_local_cluster_uses_the_measured_rates(tmp_path):
+    cal = _synthetic()
+    path = save_calibration(cal, tmp_path / "cal.json")
+    cluster = resolve_cluster("local", nodes=1, gpus_per_node=4, profile_path=path)
+    assert cluster.calibration == cal
+    cpu = cluster.gpu
+    fit = cal.matmul_fit("fp32")
+    assert cpu.tflops("fp32") == fit.peak_tflops and cpu.hbm_gbps == cal.membound_gbps
+    assert cpu.memory_gb == 16.0
+    m = n = k = 256
+    t = op_time_s(flops=2 * m * n * k, bytes_moved=0, op_class="matmul", device=cpu, dtype="fp32",
+                  shape=(m, n, k), calibration=cluster.calibration)  # fmt: skip
+    assert math.isclose(t, 2 * m * n * k / (fit.tflops(m, n, k) * 1e12), rel_tol=1e-12)
+    cost = collective_time_s("all_reduce", 1e6, Group(size=4), cluster)
+    afit = cal.collective_fit("all_reduce")
+    assert cost.algorithm == "calibrated"
+    assert math.isclose(cost.time_s, 6 * afit.latency_s + 1.5 * 1e6 / (afit.bus_gbps * 1e9), rel_tol=1e-12)
+    default = resolve_cluster("local", nodes=1, gpus_per_node=4)
+    assert default.gpu.tflops("fp32") != cpu.tflops("fp32")
+
+
+def _write(tmp_path: Path, data: dict) -> Path:
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_bad_calibration_files(tmp_path):
+    good = json.loads(save_calibration(_synthetic(), tmp_path / "good.json").read_text())
+    missing = {k: v for k, v in good.items() if k != "membound_gbps"}
+    with pytest.raises(ProfileError, match=r"bad\.json: missing key 'membound_gbps'"):
+        load_calibration(_write(tmp_path, missing))
+    negative = dict(good, collectives=[dict(good["collectives"][0], time_s=-1.0)] + good["collectives"][1:])
+    with pytest.raises(ProfileError, match=r"bad\.json: collectives\[0\]: key 'time_s' = -1.0 must be > 0"):
+        load_calibration(_write(tmp_path, negative))
+    bad_op = dict(good, collectives=[dict(good["collectives"][0], op="allreduce")])
+    with pytest.raises(ProfileError, match="'allreduce'; allowed: all_reduce, all_gather"):
+        load_calibration(_write(tmp_path, bad_op))
+    bad_backend = dict(good, backend="carrier-pigeon")
+    with pytest.raises(ProfileError, match="allowed: gloo, nccl"):
+        load_calibration(_write(tmp_path, bad_backend))
+    (tmp_path / "syntax.json").write_text('{"device_name": "x",\n "date": }')
+    with pytest.raises(ProfileError, match=r"syntax\.json: invalid JSON at line 2"):
+        load_calibration(tmp_path / "syntax.json")
+    (tmp_path / "syntax.toml").write_text('device_name = "x"\ndate = \n')
+    with pytest.raises(ProfileError, match=r"syntax\.toml: invalid TOML: .*line 2"):
+        load_calibration(tmp_path / "syntax.toml")
+    with pytest.raises(ProfileError, match="autopar calibrate --out"):
+        load_calibration(tmp_path / "missing.json")
+
+
+def test_committed_calibrations_load():
+    files = sorted((PROFILES_DIR / "calibration").glob("*.json"))
+    assert files, "profiles/calibration/ should hold a calibration of the development machine"
+    for path in files:
+        cal = load_calibration(path)
+        assert cal.matmul_fits and cal.collective_fits and cal.membound_gbps > 0
+        assert cal.date[:4].isdigit() and cal.device_name
+
+
+@pytest.mark.distributed
+def test_measure_collectives_on_two_gloo_ranks():
+    from runtime.calibrate import CalibrationPlan, measure_collectives
+
+    plan = CalibrationPlan(
+        matmul_shapes=(), dtypes=(), membound_bytes=(), collective_bytes=(4096, 1 << 18), world_sizes=(2,),
+        ops=("all_reduce", "send_recv"), collective_iters=2, collective_blocks=1,
+    )  # fmt: skip
+    ticks = []
+    points = measure_collectives(plan, backend="gloo", world=2, progress=lambda: ticks.append(1))
+    assert [(p.op, p.ranks) for p in points] == [("all_reduce", 2)] * 2 + [("send_recv", 2)] * 2
+    assert all(p.time_s > 0 for p in points) and len(ticks) == 4
+    assert points[1].nbytes == 1 << 18
+
+
+def test_per_rank_count_fits_capture_oversubscription():
+    # 4 ranks on a 2-core machine: every step costs 3x the latency of 2 ranks; the all-sizes ring fit cannot say that
+    points = []
+    for ranks, alpha in ((2, 1e-4), (3, 1e-4), (4, 3e-4)):
+        for nbytes in (1e3, 1e5, 1e7):
+            steps, factor = ring_terms("all_reduce", ranks)
+            points.append(CollectivePoint(op="all_reduce", ranks=ranks, nbytes=nbytes, time_s=steps * alpha + factor * nbytes / 1e9))
+    cal = build_calibration(
+        device_name="Synthetic CPU", accelerator="cpu-local", date="2026-12-02T00:00:00+00:00", backend="gloo",
+        memory_gb=16.0, matmul=_synthetic().matmul, membound=_synthetic().membound, collectives=tuple(points),
+    )  # fmt: skip
+    assert cal.collective_fit("all_reduce", 4).latency_s == pytest.approx(3e-4, rel=1e-6)
+    assert cal.collective_fit("all_reduce", 2).latency_s == pytest.approx(1e-4, rel=1e-6)
+    assert cal.collective_fit("all_reduce", 8).ranks == 0  # unmeasured size: the all-sizes fit
+    from costmodel.profiles import make_cluster
+
+    cluster = make_cluster("local", 1, gpus_per_node=4, calibration=cal)
+    cost = collective_time_s("all_reduce", 1e5, Group(size=4), cluster)
+    assert math.isclose(cost.time_s, 6 * 3e-4 + 1.5 * 1e5 / 1e9, rel_tol=1e-6)
