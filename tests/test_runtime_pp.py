@@ -353,6 +353,25 @@ def _run_case(case) -> dict:
     return out
 
 
+def _apply_plan_meta_zero3(dp: int) -> list[float]:
+    """Through runtime.apply_plan: a meta-device model, pp=2 x dp ZeRO-3 (FSDP2 on each chunk), materialised
+    per chunk; the losses of 3 steps (compared with the single-process model in the parent)."""
+    from runtime.manual_plan import manual_plan
+    from runtime.wrap import apply_plan
+
+    with torch.device("meta"):
+        model = tiny_model("llama")
+    plan = manual_plan(model, pp=2, dp=dp, zero_stage=3, num_microbatches=2, microbatch_size=1, seq_len=SEQ)
+    pm = apply_plan(model, plan, loss_fn=lm_loss, seed=0)
+    opt = torch.optim.SGD(pm.parameters(), lr=LR)
+    losses = []
+    for ids, tgt in batches(plan.global_batch):
+        opt.zero_grad()
+        losses.append(pm.step(ids, tgt).item())
+        opt.step()
+    return losses
+
+
 def _pp_body(rank: int, world_size: int, names: list[str]) -> dict:
     cases = CASES_2 if world_size == 2 else CASES_4
     import time
@@ -362,6 +381,8 @@ def _pp_body(rank: int, world_size: int, names: list[str]) -> dict:
         t0 = time.perf_counter()
         out[name] = _run_case(cases[name])
         out[name]["time_s"] = time.perf_counter() - t0
+    if world_size == 4:
+        out["apply_plan_meta_zero3"] = _apply_plan_meta_zero3(dp=2)
     return out
 
 
@@ -418,6 +439,23 @@ def test_pipeline_tp_dp_pp4_4_ranks_match_single_process():
     print({n: round(results[0][n]["time_s"], 2) for n in names})
     for name in names:
         _check_case(name, CASES_4[name], [results[r][name] for r in range(4)])
+    # apply_plan on a meta model: reference = the same model materialised with the same seed, one process
+    from runtime.materialize import materialize
+
+    with torch.device("meta"):
+        ref = tiny_model("llama")
+    materialize(ref, seed=0)
+    opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    want = []
+    for ids, tgt in batches(4):
+        opt.zero_grad()
+        loss = lm_loss(ref(ids).logits, tgt)
+        loss.backward()
+        want.append(loss.item())
+        opt.step()
+    for r in range(4):
+        torch.testing.assert_close(torch.tensor(results[r]["apply_plan_meta_zero3"]), torch.tensor(want),
+                                   rtol=RTOL, atol=ATOL)
 
 
 # --- unit: torch's multi-chunk schedule orders == the cost model's -----------------------------------------
