@@ -359,3 +359,20 @@ def test_sequence_parallel_needs_executable_gathers(traced, cluster) -> None:
     with pytest.raises(InfeasiblePlanError, match="no sequence-parallel sharding is executable at tp=16"):
         block_strategy(layers[0], graph=graph, tp=16, microbatch=1, seq=dims.seq, sequence_parallel=True,
                        cluster=cluster)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["allreduce", "seqpar"])
+def test_real_block_problem_matches_brute_force(traced, cluster, sp: bool) -> None:
+    from planner.search.block_ops import layer_ops_from_block
+    from planner.search.block_plan import block_problem, cluster_cost_context
+    from planner.search.strategies import MeshShape
+
+    graph, layers, dims = traced[LLAMA_BLOCK]
+    mesh = MeshShape(tp=4, sequence_parallel=sp)
+    ops = layer_ops_from_block(layers[0], graph, microbatch=1, seq=dims.seq)
+    bp = block_problem(ops, mesh=mesh, ctx=cluster_cost_context(cluster, mesh=mesh))
+    assert math.prod(len(s) for s in bp.problem.strategy_names) <= 50_000
+    best, arg = brute_force(bp.problem)
+    sol = solve(bp.problem, SolverOptions())
+    assert sol.status == "optimal" and abs(sol.objective - best) <= 1e-12 * max(1.0, best)
+    assert evaluate(bp.problem, arg) == best
