@@ -125,13 +125,13 @@ def _check_batch(cfg: ParallelConfig) -> None:
 def validate_config(cfg: ParallelConfig, workload: Workload, num_devices: int) -> None:
     """Raise ConfigError for an invalid configuration (see the module docstring)."""
     _positive(cfg)
+    _check_model(cfg, workload)
     if cfg.devices != num_devices:
         rest = cfg.tp * cfg.cp * cfg.pp
         fix = f"dp={num_devices // rest}" if num_devices % rest == 0 else f"tp*cp*pp dividing {num_devices}"
         raise ConfigError(
             f"tp*cp*pp*dp = {cfg.tp}*{cfg.cp}*{cfg.pp}*{cfg.dp} = {cfg.devices} != {num_devices} devices; use {fix}"
         )
-    _check_model(cfg, workload)
     _check_batch(cfg)
     if cfg.microbatch is not None and cfg.virtual_stages is not None:
         check_schedule(cfg.schedule, pp=cfg.pp, num_microbatches=cfg.num_microbatches,

@@ -1,0 +1,185 @@
+"""costmodel.step: FLOP accounting, validation errors, monotonic behaviour, speed, and the SC21 fidelity."""
+
+import dataclasses
+import time
+
+import pytest
+
+from costmodel.analytic import gpt_workload, llama_workload, sc21_model_flops
+from costmodel.errors import ConfigError
+from costmodel.profiles import make_cluster
+from costmodel.step import ParallelConfig, estimate_step, even_stage_layers
+
+
+@pytest.fixture(scope="module")
+def gpt175():
+    return gpt_workload(layers=96, hidden=12288, heads=96)
+
+
+@pytest.fixture(scope="module")
+def cluster64():
+    return make_cluster("dgx-a100-80gb", 64)  # 512 GPUs
+
+
+def cfg(**kw):
+    base = dict(tp=8, pp=8, dp=8, microbatch=1, global_batch=512, schedule="1f1b", recompute="full")
+    base.update(kw)
+    return ParallelConfig(**base)
+
+
+def test_flops_are_sc21_eq3(gpt175, cluster64):
+    est = estimate_step(gpt175, cfg(), cluster64)
+    model = sc21_model_flops(batch=512, seq=2048, layers=96, hidden=12288, vocab=51200, recompute=False)
+    hw = sc21_model_flops(batch=512, seq=2048, layers=96, hidden=12288, vocab=51200, recompute=True)
+    assert est.model_tflops_per_gpu * est.step_time_s * 512 * 1e12 == pytest.approx(model, rel=1e-9)
+    assert est.hw_tflops_per_gpu * est.step_time_s * 512 * 1e12 == pytest.approx(hw, rel=1e-9)
+    assert est.mfu == pytest.approx(est.model_tflops_per_gpu / 312.0)
+    assert est.tokens_per_s == pytest.approx(512 * 2048 / est.step_time_s)
+    no_rec = estimate_step(gpt175, cfg(recompute="none"), cluster64)
+    assert no_rec.hw_tflops_per_gpu == pytest.approx(no_rec.model_tflops_per_gpu)
+
+
+def test_breakdown_sums_to_step_time(gpt175, cluster64):
+    for c in (cfg(), cfg(schedule="interleaved-1f1b", virtual_stages=2), cfg(zero_stage=1, pp=4, dp=16),
+              cfg(schedule="zero-bubble", recompute="none", microbatch=1)):
+        est = estimate_step(gpt175, c, cluster64)
+        assert sum(est.breakdown_s.values()) == pytest.approx(est.step_time_s)
+        assert est.bottleneck == max(est.breakdown_s, key=est.breakdown_s.get)
+        assert {"compute", "bubble", "optimizer"} <= set(est.breakdown_s)
+        assert any(k.startswith("comm_") for k in est.breakdown_s)
+
+
+def test_bubble_matches_closed_form(gpt175, cluster64):
+    m = 512 // (8 * 1)
+    est = estimate_step(gpt175, cfg(), cluster64)
+    ideal = est.breakdown_s["compute"] + sum(v for k, v in est.breakdown_s.items() if k == "comm_nvswitch")
+    # the even split puts the embedding / head on the outer stages, so the bubble is at least (p-1)/m
+    assert est.breakdown_s["bubble"] / ideal == pytest.approx((8 - 1) / m, rel=0.25)
+    inter = estimate_step(gpt175, cfg(schedule="interleaved-1f1b", virtual_stages=4), cluster64)
+    assert inter.breakdown_s["bubble"] < est.breakdown_s["bubble"] / 3
+
+
+def test_recompute_trades_time_for_memory(gpt175, cluster64):
+    full, sel, none = (estimate_step(gpt175, cfg(recompute=r, flash_attention=False), cluster64)
+                       for r in ("full", "selective", "none"))
+    assert full.step_time_s > sel.step_time_s > none.step_time_s
+    assert full.memory_breakdown_gb["activations"] < sel.memory_breakdown_gb["activations"]
+    assert sel.memory_breakdown_gb["activations"] < none.memory_breakdown_gb["activations"]
+    # flash attention never stores the scores: selective recomputation saves nothing more
+    fl = [estimate_step(gpt175, cfg(recompute=r), cluster64).memory_breakdown_gb["activations"]
+          for r in ("selective", "none")]
+    assert fl[0] == pytest.approx(fl[1]) and fl[1] < none.memory_breakdown_gb["activations"]
+
+
+def test_zero_stages_shrink_model_states(cluster64):
+    w = gpt_workload(layers=24, hidden=2048, heads=16)
+    totals = []
+    for z in (0, 1, 2, 3):
+        est = estimate_step(w, ParallelConfig(tp=1, pp=1, dp=512, microbatch=1, global_batch=512, zero_stage=z),
+                            cluster64)
+        mb = est.memory_breakdown_gb
+        totals.append(mb["weights"] + mb["gradients"] + mb["optimizer"])
+    p = w.params
+    assert totals[0] == pytest.approx(16 * p / 1e9)
+    assert totals[3] == pytest.approx(16 * p / 512 / 1e9)
+    assert totals == sorted(totals, reverse=True)
+
+
+def test_pipeline_inflight_sets_activation_memory(gpt175, cluster64):
+    one = estimate_step(gpt175, cfg(), cluster64)
+    gpipe = estimate_step(gpt175, cfg(schedule="gpipe"), cluster64)
+    # 1F1B: first stage holds pp=8 micro-batches, GPipe all m=64
+    assert gpipe.memory_breakdown_gb["activations"] > 6 * one.memory_breakdown_gb["activations"]
+    assert one.stage_memory_gb[0] > one.stage_memory_gb[-2]  # earlier stages hold more in flight
+
+
+def test_uneven_stage_layers(gpt175, cluster64):
+    even = estimate_step(gpt175, cfg(), cluster64)
+    assert even.stage_layers == even_stage_layers(gpt175, 8) == (13, 12, 12, 12, 12, 12, 12, 13)
+    skew = estimate_step(gpt175, cfg(), cluster64, stage_layers=(20, 10, 12, 12, 12, 12, 12, 8))
+    assert skew.step_time_s > even.step_time_s
+    assert skew.stage_time_s[0] > even.stage_time_s[0]
+    with pytest.raises(ConfigError, match="summing"):
+        estimate_step(gpt175, cfg(), cluster64, stage_layers=(13, 12))
+
+
+def test_chooses_microbatch_and_virtual_stages(gpt175, cluster64):
+    est = estimate_step(gpt175, cfg(microbatch=None, schedule="interleaved-1f1b", virtual_stages=None), cluster64)
+    assert set(est.chosen) == {"microbatch", "virtual_stages"}
+    assert est.config.microbatch == est.chosen["microbatch"] and est.fits
+    for mb in (1, 2, 4):
+        try:
+            other = estimate_step(gpt175, cfg(microbatch=mb, schedule="interleaved-1f1b",
+                                              virtual_stages=est.chosen["virtual_stages"]), cluster64)
+        except ConfigError:
+            continue
+        assert not other.fits or other.step_time_s >= est.step_time_s - 1e-12
+
+
+def test_does_not_fit(cluster64):
+    w = gpt_workload(layers=96, hidden=12288, heads=96)
+    est = estimate_step(w, ParallelConfig(tp=1, pp=1, dp=512, microbatch=1, global_batch=512, zero_stage=0),
+                        cluster64)
+    assert not est.fits and est.memory_gb_per_device > 16 * w.params / 1e9 * 0.99
+    assert est.memory.dominant == "optimizer"
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(tp=7, dp=9), "tp=7 does not divide heads=96"),
+    (dict(dp=4), "!= 512 devices; use dp=8"),
+    (dict(global_batch=500), "global_batch 496 or 504"),
+    (dict(microbatch=3), r"microbatch in \[2, 4\]"),
+    (dict(schedule="interleaved-1f1b", virtual_stages=2, global_batch=8 * 12), "num_microbatches % pp"),
+    (dict(recompute="most"), "recompute='most'"),
+    (dict(ep=2), "needs a MoE model"),
+    (dict(pp=64, dp=1, virtual_stages=2, schedule="interleaved-1f1b", global_batch=64), "exceeds the 96"),
+])
+def test_config_errors(gpt175, cluster64, kw, match):
+    with pytest.raises(ConfigError, match=match):
+        estimate_step(gpt175, cfg(**kw), cluster64)
+
+
+def test_kv_heads_and_moe():
+    cl = make_cluster("dgx-h100", 4)
+    llama = llama_workload(layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, vocab=128256, seq=8192)
+    with pytest.raises(ConfigError, match="kv_heads=8"):
+        estimate_step(llama, ParallelConfig(tp=16, pp=1, dp=2, microbatch=1, global_batch=8), cl)
+    moe = llama_workload(layers=8, hidden=1024, heads=16, kv_heads=4, ffn_hidden=2048, vocab=32000, seq=2048,
+                         experts=8, topk=2)
+    base = dict(tp=2, pp=1, microbatch=1, global_batch=64, flash_attention=True)
+    dense = estimate_step(moe, ParallelConfig(dp=16, ep=1, **base), cl)
+    ep = estimate_step(moe, ParallelConfig(dp=16, ep=8, **base), cl)
+    assert ep.memory_breakdown_gb["weights"] < dense.memory_breakdown_gb["weights"]  # experts sharded over ep
+    assert ep.breakdown_s.get("comm_nvswitch", 0) + ep.breakdown_s.get("comm_infiniband", 0) > \
+        dense.breakdown_s.get("comm_nvswitch", 0) + dense.breakdown_s.get("comm_infiniband", 0) - 1e-12
+    cp = estimate_step(llama, ParallelConfig(tp=8, cp=2, pp=1, dp=2, microbatch=1, global_batch=8), cl)
+    no_cp = estimate_step(llama, ParallelConfig(tp=8, cp=1, pp=1, dp=4, microbatch=1, global_batch=8), cl)
+    assert cp.memory_breakdown_gb["activations"] < no_cp.memory_breakdown_gb["activations"]
+
+
+def test_fast_enough(gpt175, cluster64):
+    w = gpt_workload(layers=100, hidden=8192, heads=64)
+    c = cfg(schedule="interleaved-1f1b", virtual_stages=2, pp=10, dp=6, global_batch=480 // 8 * 8)
+    c = dataclasses.replace(c, pp=4, dp=16, global_batch=512)
+    estimate_step(w, c, cluster64)
+    n = 200
+    t0 = time.process_time()
+    for _ in range(n):
+        estimate_step(w, c, cluster64)
+    per_call_ms = (time.process_time() - t0) / n * 1e3
+    print(f"estimate_step: {per_call_ms:.3f} ms CPU per call")
+    assert per_call_ms < 5.0  # target < 1 ms on an idle core; generous for a loaded CI machine
+
+
+def test_fidelity_sc21_targets():
+    """benchmarks/fidelity.py on every Table 1 / Table 2 case (analytic workload): the regression gate."""
+    from benchmarks.fidelity import run, summary
+
+    rows = run(workload="analytic")
+    s = summary(rows)
+    assert s["cases"] == 22
+    assert s["median_abs_error"] <= 0.05
+    known = {"megatron-sc21-t2-530b-zero3-640", "megatron-sc21-t2-530b-zero3-1120"}
+    for r in rows:
+        bound = 0.15 if r["case"] in known else 0.10  # the two 530B ZeRO-3 rows: documented gap
+        assert abs(r["error"]) <= bound, (r["case"], r["predicted_tflops"], r["measured_tflops"])
