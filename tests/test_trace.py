@@ -178,6 +178,7 @@ def test_cli_json_and_table(capsys):
     for key in ("params", "flops_fwd", "flops_bwd", "num_nodes", "blocks", "unsupported_ops", "trace_time_s"):
         assert key in out
     assert [b["repeat"] for b in out["blocks"]] == [1, 3, 1]
+    assert out["identical_blocks"][0]["members"] == [f"model.decoder.layers.{i}" for i in range(3)]
     for blk in out["blocks"]:
         assert {"name", "repeat", "params", "flops_fwd"} <= set(blk)
     assert sum(b["params"] * b["repeat"] for b in out["blocks"]) == out["params"]
@@ -249,3 +250,21 @@ def test_shortcut_with_a_single_odd_layer():
         model = _Stack([32, 32, 32, 32, 64])
     g = _compare_short_full(model, torch.zeros(2, 5, 16, device="meta"))
     assert g.traced_layers == 3  # layers 0, 1 and the odd 4
+
+
+def test_matmul_flops_match_a_real_forward_backward():
+    """torch.utils.flop_counter on a real CPU step counts every matmul autograd runs (it misses the CPU
+    attention kernel, which is the reason for our own rule): our forward + backward matmul FLOPs must agree."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    spec = "llama:layers=2,hidden=64,ffn=96,heads=4,kv_heads=2,vocab=50,seq=16"
+    meta = build_model(spec)
+    g = trace(meta.model, meta.example_inputs, full_depth=True)
+    ours = sum(n.flops_fwd + n.flops_bwd for n in g.nodes if n.op_class == "matmul")
+    real = build_model(spec, device="cpu")
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (1, 16))
+    with FlopCounterMode(display=False) as counter:
+        real.model(ids).logits.float().pow(2).mean().backward()
+    measured = sum(v for op, v in counter.get_flop_counts()["Global"].items() if "attention" not in str(op))
+    assert ours == measured

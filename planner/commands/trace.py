@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from planner.graph import coarsen, find_blocks
+    from planner.graph import coarsen, find_block_groups, find_blocks
     from planner.workload import trace_spec
 
     t0 = time.perf_counter()
@@ -28,6 +28,7 @@ def run(args: argparse.Namespace) -> int:
     graph = traced.graph
     blocks = find_blocks(graph)
     runs = _runs(blocks)
+    groups = find_block_groups([b for b in blocks if b.kind == "transformer"])
     wall_s = time.perf_counter() - t0
     summary = {
         "model": args.model,
@@ -45,6 +46,8 @@ def run(args: argparse.Namespace) -> int:
         "num_layers": len(graph.layer_fqns),
         "traced_layers": graph.traced_layers,
         "blocks": [_run_json(r) for r in runs],
+        "identical_blocks": [{"members": list(g.members), "repeat": g.repeat, "signature": g.signature}
+                             for g in groups],
         "unsupported_ops": dict(graph.unsupported),
         "trace_time_s": graph.trace_time_s,
         "wall_time_s": wall_s,
@@ -85,10 +88,14 @@ def _run_json(run: list) -> dict:
 def _print_table(s: dict, runs: list[list]) -> None:
     print(f"model {s['model']}: {s['params'] / 1e9:.3f}B parameters, batch {s['batch']}, seq {s['seq']}")
     n_layers, traced = s["num_layers"], s["traced_layers"]
-    layer_runs = [r for r in runs if r[0].kind == "transformer"]
-    identical = max((len(r) for r in layer_runs), default=0)
+    groups = s["identical_blocks"]
+    if len(groups) == 1:
+        same = f"{groups[0]['repeat']} identical blocks"
+    else:
+        same = f"{len(groups)} distinct layer blocks: " + ", ".join(
+            f"{g['members'][0]} x{g['repeat']}" for g in groups)
     if n_layers:
-        print(f"traced {traced} of {n_layers} layers; {identical} identical blocks"
+        print(f"traced {traced} of {n_layers} layers; {same}"
               + ("" if traced == n_layers else " (the others are copies of the traced ones)"))
     head = f"{'block':<28} {'x':>4} {'ops':>5} {'params':>14} {'fwd GFLOP':>12} {'bwd GFLOP':>12} {'act MB':>10}"
     print(head)
