@@ -206,6 +206,22 @@ def test_unsupported_model_and_schedule_errors():
         make_schedule([object()], name="zb-v", num_microbatches=4, loss_fn=lm_loss)
 
 
+def test_stage_placement_and_inputs_are_checked():
+    import dataclasses
+
+    from runtime.pipeline import _check_stage_ranks, _input_ids
+
+    plan = make_plan(tiny_model("llama"), cuts=[(0, 3), (3, 7)], pp=2, schedule="gpipe", n_mb=2)
+    swapped = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, pp_rank=1 - s.pp_rank)
+                                                     for s in plan.stages))
+    with pytest.raises(PlanMismatchError, match="stage 0 is placed on pp rank 1"):
+        _check_stage_ranks(swapped)
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    assert _input_ids((ids,)) is ids and _input_ids({"input_ids": ids}) is ids
+    with pytest.raises(ConfigError, match="token-id tensor"):
+        _input_ids((ids, ids))
+
+
 # --- unit: recomputation ----------------------------------------------------------------------------------
 
 
