@@ -4,7 +4,8 @@ Rules, applied to the block's aten ops in execution order (the graph from ``plan
 ``planner.graph.coarsen``: coarsening folds residual adds and norm internals into their producers, which erases
 the structure the layouts are chosen on):
 
-- a matmul that uses a 2-D weight is a linear of the weight's module; linears that read the same tensor form
+- a matmul that uses a 2-D weight is a linear of the weight's module (shardable only if it is an ``nn.Linear``,
+  ``aten.linear``: GPT-2's Conv1D is not); linears that read the same tensor form
   one group op (q/k/v, gate/up: Megatron's fused projections); a linear whose output width is the number of
   experts in the block is the MoE router;
 - attention, norm (with parameters), embedding ops are their own ops; an op with a >= 3-D weight (grouped expert
@@ -70,6 +71,8 @@ class _Acc:
     out_features: list[int] = field(default_factory=list)
     in_features: int = 0
     tokens: int = 0
+    shardable: bool = True
+    """Linears: every member is an ``nn.Linear`` (``aten.linear``), which Colwise / RowwiseParallel need."""
     tokens_hidden: tuple[int, int] = (0, 0)
     """Experts: (tokens, hidden) of the token-major input the experts read."""
 
@@ -248,12 +251,15 @@ class _Builder:
             acc.out_elems = max(acc.out_elems, float(_numel(n.output_shapes[0])))
 
     def _linear(self, n, ins: list[str], weight) -> None:
-        out_f, in_f = weight[1]
+        # Features from the activations: GPT-2's Conv1D (aten.addmm(bias, x, w)) stores its weight as (in, out).
+        x = next((sh for sh in n.input_shapes if len(sh) >= 2 and tuple(sh) != tuple(weight[1])), None)
+        in_f = x[-1] if x else weight[1][1]
+        out_f = n.output_shapes[0][-1] if n.output_shapes and n.output_shapes[0] else weight[1][0]
         src = ins[0] if ins else "input"
-        tokens = _numel(n.input_shapes[0][:-1]) if n.input_shapes else 0
+        tokens = _numel(x[:-1]) if x else 0
         self.traced_tokens = max(self.traced_tokens, tokens)
-        if n.input_shapes and len(n.input_shapes[0]) >= 3:
-            self.traced_seq = max(self.traced_seq, n.input_shapes[0][-2])
+        if x and len(x) >= 3:
+            self.traced_seq = max(self.traced_seq, x[-2])
         group = next((a for a in self.ops.values() if a.kind == "linear" and a.inputs == [src]
                       and a.in_features == in_f and not self._consumed(a)), None)
         kind = "router" if self.experts and out_f == self.experts else "linear"
@@ -269,6 +275,7 @@ class _Builder:
         group.modules.append(self._rel(_module_of(weight[0])))
         group.out_features.append(out_f)
         group.op_class = "matmul"
+        group.shardable = group.shardable and n.target.startswith("aten.linear")  # nn.Linear: TP styles apply
 
     def _consumed(self, acc: _Acc) -> bool:
         """A group is closed once a later op reads it (q/k/v are read by attention after all three)."""
@@ -338,7 +345,7 @@ def _to_layer_op(a: _Acc, sc: _Scale, *, heads: tuple[int, int, int] | None, exp
                 outs = [h, kv, kv]
             elif fan_in == h * hd and len(outs) == 1:  # output projection: its input is whole heads
                 fan_in = h
-        shard_dims = (*outs, fan_in)
+        shard_dims = (*outs, fan_in) if a.shardable else ()
     elif a.kind == "attention" and heads:
         shard_dims = heads[:2]
     elif a.kind in ("embedding",):

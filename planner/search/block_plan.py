@@ -78,7 +78,8 @@ def _cost_strategy(op: LayerOp, s: OpStrategy, *, ctx: CostContext, mesh: MeshSh
     fwd = ctx.op_time_s(op, s, op.flops_fwd * frac, op.bytes_fwd * frac) if (op.flops_fwd or op.bytes_fwd) else 0.0
     # Backward reads the forward's inputs and output gradient and writes the input and weight gradients: about
     # twice the forward traffic.
-    bwd = ctx.op_time_s(op, s, op.flops_bwd * frac, 2.0 * op.bytes_fwd * frac) if (op.flops_bwd or op.bytes_fwd) else 0.0
+    bwd = (ctx.op_time_s(op, s, op.flops_bwd * frac, 2.0 * op.bytes_fwd * frac)
+           if (op.flops_bwd or op.bytes_fwd) else 0.0)
     recomputed = recompute == "full" or (recompute == "selective" and op.kind == "attention")
     comm_fwd = _collectives_time_s(ctx, s.comm_fwd)
     if recomputed:
@@ -375,7 +376,9 @@ def block_strategy(block, *, graph, tp: int, cp: int = 1, ep: int = 1, microbatc
     return result
 
 
-def _explain_infeasible(e: InfeasiblePlanError, *, block, ops: Sequence[LayerOp], mesh: MeshShape) -> InfeasiblePlanError:
+def _explain_infeasible(e: InfeasiblePlanError, *, block, ops: Sequence[LayerOp],
+                        mesh: MeshShape) -> InfeasiblePlanError:
+    """Name the ops that make a sequence-parallel block infeasible (the ILP only knows it is)."""
     if not mesh.sequence_parallel or "layout-consistent" not in str(e):
         return e
     stuck = [op.modules[0] if op.modules else op.name for op in ops

@@ -39,11 +39,13 @@ reduce-scatter; other changes (R -> S_* slices, S_hid -> R gathers, S_seq <-> S_
 expressible by a module style and are forbidden pairs for the ILP, except R -> S_seq into the block's output
 (PrepareModuleInput on the next block: a local slice). S_seq -> R feeds only colwise linears and the LM head
 (ColwiseParallel(input_layouts=Shard(1)) gathers): with sequence parallelism a replicated linear, router or
-experts module cannot get the full sequence, so such blocks have no sequence-parallel plan. The backward pass converts the
-consumer's input gradient back to the producer's output layout (``conversion``; the gradient of a P output
-is R), so Megatron's ``f``/``g`` operators appear as edge costs: colwise after a
-replicated norm costs one backward all-reduce, with sequence parallelism an all-gather forward and a
-reduce-scatter backward.
+experts module cannot get the full sequence, so such blocks have no sequence-parallel plan.
+
+The backward pass converts the consumer's input gradient back to the producer's output layout
+(``conversion``; the gradient of a P output is R), so Megatron's ``f``/``g`` operators appear as edge costs:
+colwise after a replicated norm costs one backward all-reduce, with sequence parallelism an all-gather forward
+and a reduce-scatter backward. Linears reading one tensor (q/k/v, gate/up) are one op, as Megatron fuses them,
+so their input gradient is all-reduced once.
 
 Batch sharding is not offered on the tp axis: splitting the batch is the data-parallel axis (dp x ep ranks),
 chosen by the stage search, and no SHARDING_STYLES entry / torch TP style switches a module between batch
@@ -186,7 +188,8 @@ def forward_conversion(src: Layout, dst: Layout, nbytes: float, *, at_block_boun
 
 
 def _divides(tp: int, sizes: tuple[int, ...]) -> bool:
-    return bool(sizes) and all(d % tp == 0 for d in sizes)
+    """``tp`` splits every size evenly (no sizes, or a zero: not shardable)."""
+    return bool(sizes) and all(d > 0 and d % tp == 0 for d in sizes)
 
 
 def _same(name: str, style: str, layout: Layout, n_in: int, frac: float, **kw) -> OpStrategy:
@@ -201,7 +204,9 @@ def _linear(op: LayerOp, mesh: MeshShape) -> list[OpStrategy]:
     out = [_same("replicate", "replicate", "R", 1, 1.0)]
     if t == 1:
         return out
-    *outs, fan_in = op.shard_dims or (0, 0)
+    if not op.shard_dims:  # not an nn.Linear (e.g. GPT-2's Conv1D): the TP styles cannot shard it
+        return out
+    *outs, fan_in = op.shard_dims
     if _divides(t, tuple(outs)):
         out.append(OpStrategy(name="colwise", style="colwise", in_layouts=("R",), grad_layouts=("P",),
                               out_layout="S_hid", work_fraction=1 / t, param_fraction=1 / t, act_fraction=1 / t,
