@@ -86,7 +86,8 @@ def _run_json(run: list) -> dict:
 
 
 def _print_table(s: dict, runs: list[list]) -> None:
-    print(f"model {s['model']}: {s['params'] / 1e9:.3f}B parameters, batch {s['batch']}, seq {s['seq']}")
+    print(f"model {s['model']}: {s['params']:,} parameters ({s['params'] / 1e9:.3f}B), batch {s['batch']}, "
+          f"seq {s['seq']}")
     n_layers, traced = s["num_layers"], s["traced_layers"]
     groups = s["identical_blocks"]
     if len(groups) == 1:
