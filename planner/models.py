@@ -31,6 +31,7 @@ import json
 import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Callable, Literal
 
 from costmodel.errors import ConfigError, UnsupportedModelError
@@ -82,7 +83,7 @@ _GPT_SEQ = 2048
 
 # Megatron-LM SC21 (Narayanan et al. 2021), Table 1 (weak scaling) and Table 2 (175B / 530B):
 # name -> (layers, hidden, heads). Matches benchmarks/data/megatron_sc21.json.
-_MEGATRON = {
+_MEGATRON = MappingProxyType({
     "megatron-1.7b": (24, 2304, 24),
     "megatron-3.6b": (30, 3072, 32),
     "megatron-7.5b": (36, 4096, 32),
@@ -94,26 +95,26 @@ _MEGATRON = {
     "megatron-530b": (105, 20480, 128),
     "megatron-1t": (128, 25600, 160),
     "gpt3-175b": (96, 12288, 96),
-}
+})
 
 # Llama 3 (Grattafiori et al. 2024, Table 3) and Mixtral 8x7B (Jiang et al. 2024, Table 1).
-_LLAMA = {
+_LLAMA = MappingProxyType({
     "llama3-8b": dict(layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, vocab=128256, seq=8192),
     "llama3-70b": dict(layers=80, hidden=8192, ffn=28672, heads=64, kv_heads=8, vocab=128256, seq=8192),
     "llama3-405b": dict(layers=126, hidden=16384, ffn=53248, heads=128, kv_heads=8, vocab=128256, seq=8192),
-}
-_MIXTRAL = {
+})
+_MIXTRAL = MappingProxyType({
     "mixtral-8x7b": dict(
         layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, vocab=32000, seq=4096, experts=8, topk=2
     ),
-}
+})
 
-_INLINE_KEYS = {
+_INLINE_KEYS = MappingProxyType({
     "gpt": (("layers", "hidden", "heads"), ("vocab", "seq", "ffn")),
     "llama": (("layers", "hidden", "ffn", "heads"), ("kv_heads", "vocab", "seq")),
     "mixtral": (("layers", "hidden", "ffn", "heads", "experts", "topk"), ("kv_heads", "vocab", "seq")),
-}
-_INLINE_DEFAULTS = {"vocab": _GPT_VOCAB, "seq": _GPT_SEQ}
+})
+_INLINE_DEFAULTS = MappingProxyType({"vocab": _GPT_VOCAB, "seq": _GPT_SEQ})
 
 
 def list_presets() -> tuple[str, ...]:
