@@ -23,7 +23,7 @@ import itertools
 import logging
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from costmodel.errors import AutoparError, ConfigError, InfeasiblePlanError
@@ -100,18 +100,54 @@ class _Ctx:
     config_type: Any = None
     evaluations: int = 0
     least_infeasible_gb: float = math.inf
+    cache: dict = field(default_factory=dict)
+    group_time_s: dict = field(default_factory=dict)
 
     def price(self, structure: sp.Structure, knobs: sp.Knobs, stage_layers=None) -> Any | None:
+        key = (structure, knobs, stage_layers)
+        if key in self.cache:
+            return self.cache[key]
         self.evaluations += 1
         cfg = make_config(structure, knobs, global_batch=self.global_batch, config_type=self.config_type)
         try:
             est = self.estimate(self.workload, cfg, self.cluster, stage_layers=stage_layers)
         except ConfigError as e:  # the step model refuses what the space let through: skip, but say so
             log.debug("skip %s %s: %s", structure.summary(), knobs.summary(), e)
-            return None
-        if not est.fits:
+            est = None
+        if est is not None and not est.fits:
             self.least_infeasible_gb = min(self.least_infeasible_gb, float(est.memory_gb_per_device))
+        self.cache[key] = est
         return est
+
+    @property
+    def memory_limit_gb(self) -> float:
+        return min(g.node.gpu.memory_bytes for g in self.cluster.groups) / 1e9
+
+    def states_lower_bound_gb(self, structure: sp.Structure, zero_stage: int) -> float:
+        """Weights + gradients + optimizer state of the average pipeline rank (the fullest holds at least that)
+        plus the allocator reserve on them: a lower bound on the step model's memory per device."""
+        from costmodel.memory import memory_estimate, model_state_bytes
+
+        s, w = structure, self.workload
+        dense = sum(l.params - l.expert_params for l in w.layers) / (s.tp * s.pp)
+        expert = sum(l.expert_params for l in w.layers) / (s.tp * s.ep * s.pp)
+        terms = model_state_bytes(params=dense, zero_stage=zero_stage, dp=s.dp * s.cp)
+        if expert:
+            ex = model_state_bytes(params=expert, zero_stage=zero_stage, dp=max(1, s.dp // s.ep) * s.cp)
+            terms = {k: terms[k] + ex[k] for k in terms}
+        return memory_estimate(terms).total_gb
+
+    def layer_time_sum_s(self, structure: sp.Structure, knobs: sp.Knobs) -> float | None:
+        """Forward + backward seconds of one micro-batch through all layers (summed over pipeline ranks) for
+        the structure's (tp, cp, ep, micro-batch) and the knobs' recomputation / sequence parallelism. The step
+        model's layer times do not depend on pp, dp, the schedule or the cuts (tests check this), so one
+        estimate per group serves every structure in it."""
+        s = structure
+        group = (s.tp, s.cp, s.ep, s.microbatch, knobs.recompute, knobs.sequence_parallel)
+        if group not in self.group_time_s:
+            est = self.price(s, knobs, self.even_cuts(s))
+            self.group_time_s[group] = None if est is None else float(sum(est.stage_time_s))
+        return self.group_time_s[group]
 
     def even_cuts(self, structure: sp.Structure) -> tuple[int, ...] | None:
         """Explicit even cuts, so that the plan's stages are exactly the ones priced."""
@@ -121,13 +157,36 @@ class _Ctx:
         return self.deadline is not None and time.perf_counter() > self.deadline
 
 
+def _level_bound_s(ctx: _Ctx, structure: sp.Structure, knobs: Sequence[sp.Knobs], level: str) -> float:
+    """Lower bound on the step time of ``structure`` with recomputation ``level`` (any zero stage, any cuts)."""
+    times = []
+    for sp_on in sorted({k.sequence_parallel for k in knobs if k.recompute == level}):
+        probe = next(k for k in knobs if k.recompute == level and k.sequence_parallel == sp_on)
+        t = ctx.layer_time_sum_s(structure, probe)
+        if t is not None:
+            times.append(t)
+    if not times:
+        return math.inf
+    return sp.pipeline_lower_bound_s(structure, layer_time_sum_s=min(times))
+
+
+def structure_bound_s(ctx: _Ctx, structure: sp.Structure) -> float:
+    """The best lower bound on any plan of ``structure``: its fastest recomputation level's pipeline bound."""
+    knobs = sp.knob_choices(structure, options=ctx.options, fix=ctx.fix)
+    levels = [r for r in sp.RECOMPUTE_ORDER if any(k.recompute == r for k in knobs)]
+    if not knobs or ctx.even_cuts(structure) is None:
+        return math.inf
+    return _level_bound_s(ctx, structure, knobs, levels[0])
+
+
 def _best_knobs(
-    ctx: _Ctx, structure: sp.Structure, cuts: tuple[int, ...] | None = None, *, uneven: bool = False
+    ctx: _Ctx, structure: sp.Structure, cuts: tuple[int, ...] | None = None, *, uneven: bool = False,
+    best_s: float = math.inf,
 ) -> tuple[Candidate | None, list[Candidate]]:
-    """Fastest fitting knobs by dominance: recomputation only adds time and only saves memory, so once
-    (r, zero, sp) fits, (r', zero, sp) with r' recomputing more is dominated and not priced. Before the more
-    expensive recompute levels, the leanest combination is priced: if even that does not fit, nothing does.
-    Returns the best fitting candidate (or None) and everything priced."""
+    """Fastest fitting knobs by dominance. Recomputation only adds time, so once (r, zero, sp) fits,
+    (r', zero, sp) with r' recomputing more cannot be faster and is not priced; a recomputation level whose
+    pipeline bound reaches ``best_s`` is not priced at all; a ZeRO stage whose model states alone exceed the
+    device memory is skipped. Returns the best fitting candidate (or None) and everything priced."""
     knobs = sp.knob_choices(structure, options=ctx.options, fix=ctx.fix)
     cuts = cuts if cuts is not None else ctx.even_cuts(structure)
     if not knobs or cuts is None:
@@ -144,16 +203,13 @@ def _best_knobs(
 
     levels = [r for r in sp.RECOMPUTE_ORDER if any(k.recompute == r for k in knobs)]
     for n, level in enumerate(levels):
-        if n == 1 and not fitted and not exhaustive:
-            lean = max(knobs, key=lambda k: (sp.RECOMPUTE_ORDER.index(k.recompute), k.zero_stage, k.sequence_parallel))
-            est = run(lean)
-            if est is None or not est.fits:
-                break
+        if n > 0 and _level_bound_s(ctx, structure, knobs, level) >= best_s:
+            break  # recomputing more cannot beat the best plan found: it only adds time
         for k in knobs:
             if k.recompute != level or ((k.zero_stage, k.sequence_parallel) in fitted and not exhaustive):
                 continue
-            if any(t.knobs == k for t in tried):
-                continue
+            if not exhaustive and ctx.states_lower_bound_gb(structure, k.zero_stage) > ctx.memory_limit_gb:
+                continue  # the model states alone overflow the device, whatever is recomputed
             est = run(k)
             if est is not None and est.fits:
                 fitted.add((k.zero_stage, k.sequence_parallel))
@@ -181,7 +237,7 @@ def _screen(ctx: _Ctx, structures: list[sp.Structure], bounds: dict[sp.Structure
         if best is not None and ctx.expired():
             status, bound = "feasible", bounds[s]
             break
-        cand, tried = _best_knobs(ctx, s)
+        cand, tried = _best_knobs(ctx, s, best_s=best.step_time_s if best else math.inf)
         explored += 1
         if cand is not None:
             fitting.append(cand)
@@ -284,7 +340,8 @@ def search(
     if not structures:
         raise _no_structure_error(ctx, dims)
     ideal = _ideal_step_s(workload, cluster, global_batch)
-    bounds = {s: sp.step_time_lower_bound_s(s, ideal_step_s=ideal) for s in structures}
+    bounds = {s: max(sp.step_time_lower_bound_s(s, ideal_step_s=ideal), structure_bound_s(ctx, s))
+              for s in structures}
     structures.sort(key=lambda s: (bounds[s], s))
     t1 = time.perf_counter()
     best, fitting, misses, explored, status, bound = _screen(ctx, structures, bounds)

@@ -12,8 +12,10 @@ A configuration is split in two:
 
 Pruning rules, each a dominance argument that ``tests/test_search.py`` checks against the cost model:
 
-- GPipe is only enumerated when ``m < pp`` (where 1F1B cannot run): elsewhere 1F1B has the same bubble and
-  holds ``min(m, pp - r)`` micro-batches instead of ``m`` (FORMULAS.md "Pipeline schedules").
+- (GPipe is enumerated everywhere: it holds more activations than 1F1B but the step model can price it a
+  little faster, e.g. its p2p hops overlap differently, so it is not dominated.)
+- ZeRO-1 is dominated by ZeRO-2 (same traffic, less memory), so the default ZeRO stages are 0, 2, 3.
+- With ``dp * cp == 1`` ZeRO has nothing to shard over: only ZeRO-0.
 - Sequence parallel is on whenever ``tp > 1``: it moves the same bytes as plain tp (all-gather +
   reduce-scatter instead of all-reduce) and divides norm/dropout work and activations by tp.
 - With ``pp == 1`` the schedule and virtual stages are moot: one structure with ``1f1b`` and ``v = 1``.
@@ -52,7 +54,9 @@ class SearchOptions:
     schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
     zero_bubble_virtual_stages: tuple[int, ...] = (1,)
     recompute: tuple[str, ...] = RECOMPUTE_ORDER
-    zero_stages: tuple[int, ...] = ZERO_STAGES
+    zero_stages: tuple[int, ...] = (0, 2, 3)
+    """ZeRO-1 is left out by default: ZeRO-2 moves the same bytes (reduce-scatter + all-gather, Rajbhandari
+    et al. SC20 Sec. 7) and also shards the gradients, so it dominates ZeRO-1 (``--fix zero=1`` still works)."""
     uneven_stages: bool = True
     """Run the stage DP for uneven layer cuts (embedding and LM head weigh in)."""
     dp_top_k: int = 16
@@ -194,7 +198,7 @@ def _schedules(*, pp: int, m: int, layers: int, options: SearchOptions) -> list[
     if pp == 1:
         return [("1f1b", 1)]
     out: list[tuple[str, int]] = []
-    if "gpipe" in options.schedules and m < pp:
+    if "gpipe" in options.schedules:
         out.append(("gpipe", 1))
     if "1f1b" in options.schedules and m >= pp:
         out.append(("1f1b", 1))
@@ -275,8 +279,10 @@ def valid_dps(*, dims: ModelDimsLite, num_devices: int, gpus_per_node: int, opti
 def knob_choices(structure: Structure, *, options: SearchOptions, fix: Mapping[str, Any] | None = None) -> list[Knobs]:
     """Knob combinations for a structure, in ladder order (fastest recompute first)."""
     fix = dict(fix or {})
-    rec = [r for r in options.recompute if fix.get("recompute", r) == r]
-    zeros = [z for z in options.zero_stages if fix.get("zero_stage", z) == z]
+    rec = [fix["recompute"]] if "recompute" in fix else list(options.recompute)
+    zeros = [fix["zero_stage"]] if "zero_stage" in fix else list(options.zero_stages)
+    if "zero_stage" not in fix and structure.dp * structure.cp == 1 and not options.exhaustive_knobs:
+        zeros = [0]  # ZeRO shards over the dp x cp ranks: with one there is nothing to shard
     if "sequence_parallel" in fix:
         sps = [fix["sequence_parallel"]] if (structure.tp > 1 or not fix["sequence_parallel"]) else []
     elif options.exhaustive_knobs and structure.tp > 1:
@@ -301,6 +307,21 @@ def step_time_lower_bound_s(structure: Structure, *, ideal_step_s: float) -> flo
     communication only add. Zero-bubble schedules get no bubble credit (their bubble can vanish).
     """
     return ideal_step_s * bubble_factor(structure)
+
+
+def pipeline_lower_bound_s(structure: Structure, *, layer_time_sum_s: float) -> float:
+    """A bound on the step time from the summed per-micro-batch layer time ``T`` of all pipeline ranks.
+
+    Whatever the cuts, the busiest rank does at least ``T / pp`` per micro-batch. GPipe / 1F1B take
+    ``sum_s T_s + (m - 1) max_s T_s >= T (m + pp - 1) / pp``; interleaved ``T (m + (pp - 1) / v) / pp``;
+    zero-bubble at least ``m T / pp`` (the busiest rank's work). p2p, data-parallel communication and the
+    optimizer only add.
+    """
+    s = structure
+    if s.schedule in ("gpipe", "1f1b", "interleaved-1f1b"):
+        # interleaved: m max_r T_r + sum_{r < pp-1} max-chunk_r >= m M + (T - M) / v, least at M = T / pp
+        return layer_time_sum_s * (s.num_microbatches + (s.pp - 1) / s.virtual_stages) / s.pp
+    return layer_time_sum_s * s.num_microbatches / s.pp
 
 
 def nearest_valid_batches(*, global_batch: int, dps: Iterable[int], count: int = 4) -> list[int]:
