@@ -50,7 +50,9 @@ def materialize(
     whose ``_init_weights`` to use when ``model`` is a piece of it (a pipeline chunk keeps the model's FQNs).
     """
     device = torch.device(device)
-    model.to_empty(device=device)
+    ties = tied_parameters(model)
+    model.to_empty(device=device)  # allocates each module's parameters separately: ties are lost here
+    retie(model, ties)
     hf_init = getattr(init_owner if init_owner is not None else model, "_init_weights", None)
     done: set[int] = set()
     for fqn, module in model.named_modules():
@@ -126,6 +128,36 @@ def _copy_local_shard(target: torch.Tensor, full: torch.Tensor) -> None:
         target.to_local().copy_(local)
     else:
         target.copy_(full)
+
+
+def tied_parameters(model: nn.Module) -> list[tuple[str, str]]:
+    """(owner FQN, alias FQN) pairs of parameters shared between modules (tied embeddings)."""
+    seen: dict[int, str] = {}
+    ties = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            ties.append((seen[id(p)], name))
+        else:
+            seen[id(p)] = name
+    return ties
+
+
+def retie(model: nn.Module, ties: list[tuple[str, str]]) -> None:
+    """Make each alias the owner's parameter object again; refuse ties whose shardings differ."""
+    for owner, alias in ties:
+        src = model.get_parameter(owner)
+        dst = model.get_parameter(alias)
+        if src is dst:
+            continue
+        src_p = getattr(src, "placements", None)
+        dst_p = getattr(dst, "placements", None)
+        if src_p != dst_p or tuple(src.shape) != tuple(dst.shape):
+            raise ConfigError(
+                f"tied parameters {owner} ({src_p}) and {alias} ({dst_p}) got different shardings; give both "
+                "modules matching styles (vocab_embedding + vocab_head) or untie them"
+            )
+        mod_fqn, _, attr = alias.rpartition(".")
+        setattr(model.get_submodule(mod_fqn), attr, src)
 
 
 def local_numel(model: nn.Module) -> int:

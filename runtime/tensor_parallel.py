@@ -48,6 +48,7 @@ from torch.distributed.tensor.parallel import (
 
 from costmodel.errors import ConfigError, PlanMismatchError
 from planner.plan import Plan
+from runtime.materialize import retie, tied_parameters
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ def apply_tensor_parallel(
     _check_divisible(modules, styles, tp)
     if sp:
         _check_sp_region_covered(model, modules, styles)
-    ties = _tied_parameters(model)
+    ties = tied_parameters(model)
     _divide_heads(modules, styles, tp)
     regions = _sp_regions(modules, styles) if sp else set()
     layer_plan = {
@@ -97,7 +98,7 @@ def apply_tensor_parallel(
         first = _first_layer(modules, styles)
         if first is not None:
             modules[first].register_forward_pre_hook(_scatter_sequence_hook(tp_mesh), with_kwargs=True)
-    _retie(model, ties)
+    retie(model, ties)
     log.info("tensor parallel tp=%d sp=%s: %d modules sharded", tp, sp, len(layer_plan))
     return model
 
@@ -281,35 +282,3 @@ def _scatter(x: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
         )
     # (B, T, H) replicated -> (B, T/tp, H) local chunk; backward: all-gather
     return DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False).redistribute(tp_mesh, [Shard(1)]).to_local()
-
-
-# --- tied weights -----------------------------------------------------------------------------------------
-
-
-def _tied_parameters(model: nn.Module) -> list[tuple[str, str]]:
-    """(owner FQN, alias FQN) pairs of parameters shared between modules (tied embeddings)."""
-    seen: dict[int, str] = {}
-    ties = []
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            ties.append((seen[id(p)], name))
-        else:
-            seen[id(p)] = name
-    return ties
-
-
-def _retie(model: nn.Module, ties: list[tuple[str, str]]) -> None:
-    for owner, alias in ties:
-        src = model.get_parameter(owner)
-        dst = model.get_parameter(alias)
-        if src is dst:
-            continue
-        sp = getattr(src, "placements", None)
-        dp = getattr(dst, "placements", None)
-        if sp != dp:
-            raise ConfigError(
-                f"tied parameters {owner} ({sp}) and {alias} ({dp}) got different shardings; give both modules "
-                "matching styles (vocab_embedding + vocab_head) or untie them"
-            )
-        mod_fqn, _, attr = alias.rpartition(".")
-        setattr(model.get_submodule(mod_fqn), attr, src)

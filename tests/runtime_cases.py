@@ -55,7 +55,13 @@ def mixtral_model(*, device: str = "meta") -> nn.Module:
         return MixtralForCausalLM(cfg)
 
 
-MODELS: dict[str, Callable[..., nn.Module]] = {"opt": opt_model, "llama": llama_model, "mixtral": mixtral_model}
+def opt_tied_model(*, device: str = "meta") -> nn.Module:
+    return opt_model(device=device, tie=True)
+
+
+MODELS: dict[str, Callable[..., nn.Module]] = {
+    "opt": opt_model, "opt_tied": opt_tied_model, "llama": llama_model, "mixtral": mixtral_model,
+}
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

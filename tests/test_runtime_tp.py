@@ -21,6 +21,7 @@ TP2_CASES = [
     ("opt tp2 sp", "opt", dict(tp=2, sequence_parallel=True, microbatch_size=4)),
     ("llama tp2 sp", "llama", dict(tp=2, sequence_parallel=True, microbatch_size=2, num_microbatches=2)),
     ("mixtral tp2 (attention)", "mixtral", dict(tp=2, microbatch_size=4)),
+    ("opt tied embeddings tp2 sp", "opt_tied", dict(tp=2, sequence_parallel=True, microbatch_size=4)),
 ]
 TP2_DP2_CASES = [
     ("opt tp2 x dp2 zero3 sp", "opt", dict(tp=2, dp=2, zero_stage=3, sequence_parallel=True, microbatch_size=2)),
@@ -36,11 +37,16 @@ def _run_cases(cases: list) -> dict:
     from runtime import apply_plan
     from runtime.manual_plan import manual_plan
 
+    import time
+
     out = {}
     for name, model_name, kw in cases:
+        t0 = time.perf_counter()
         model = rc.MODELS[model_name]()
         pm = apply_plan(model, manual_plan(model, **kw), loss_fn=rc.loss_fn)
+        t1 = time.perf_counter()
         out[name] = rc.parallel_run(pm, _global_batch(kw))
+        out[name]["time_s"] = (t1 - t0, time.perf_counter() - t1)
     return out
 
 

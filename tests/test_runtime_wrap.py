@@ -52,6 +52,20 @@ def _wrap_body(rank: int, world_size: int, tmp: str) -> dict:
     after = {n: rc.full(p) for n, p in pm2.named_parameters()}
     out["ckpt"] = {"saved": saved, "before": before, "after": after}
 
+    # a model already materialised on every rank (same seed) instead of meta: FSDP2 shards the given values
+    from runtime.materialize import materialize
+
+    real = materialize(rc.opt_model(), seed=0)
+    pm3 = auto_wrap(real, None, loss_fn=rc.loss_fn, plan=manual_plan(real, dp=2, zero_stage=3, microbatch_size=2))
+    out["real_model_run"] = rc.parallel_run(pm3, 4)
+    # a pipelined plan goes through runtime.pipeline (engineer R2), with the same step()
+    pp_model = rc.opt_model()
+    pm4 = auto_wrap(
+        pp_model, None, loss_fn=rc.loss_fn,
+        plan=manual_plan(pp_model, pp=2, microbatch_size=2, num_microbatches=2, schedule="gpipe"),
+    )
+    out["pp_run"] = rc.parallel_run(pm4, 4)
+
     # refusals
     llama = rc.llama_model()
     errors = {}
@@ -74,11 +88,23 @@ def test_auto_wrap_two_ranks():
     for rank, res in enumerate(results):
         assert res["plan_degrees"] == (2, 1, True)
         rc.compare(res["run"], ref, what=f"auto_wrap plan file rank {rank}")
+        rc.compare(res["real_model_run"], ref, what=f"materialised model dp2 zero3 rank {rank}")
         ck = res["ckpt"]
         assert set(ck["after"]) == set(ck["saved"])
         for n, w in ck["saved"].items():
             torch.testing.assert_close(ck["after"][n], w, rtol=0, atol=0, msg=lambda m: f"restored {n}: {m}")
         assert any(not torch.equal(ck["before"][n], w) for n, w in ck["saved"].items())  # the load did something
+        # pp: each rank holds (and reports) only its own stage's parameters
+        pp = res["pp_run"]
+        rc.compare(
+            {**pp, "grads": pp["grads"], "params": pp["params"]},
+            {
+                "losses": ref["losses"],
+                "grads": [{n: g[n] for n in pp["grads"][0]} for g in ref["grads"]],
+                "params": {n: ref["params"][n] for n in pp["params"]},
+            },
+            what=f"pp2 gpipe rank {rank}",
+        )
         other_model, other_world = res["errors"]["other model"], res["errors"]["other world size"]
         assert other_model is not None and "fingerprint" in other_model
         assert other_world is not None and "world size 4" in other_world and "2 ranks are running" in other_world
