@@ -3,7 +3,9 @@
 ``python -m benchmarks.fidelity [--workload traced|analytic] [--json]`` prices every case of
 ``benchmarks/data/megatron_sc21.json`` with ``costmodel.step.estimate_step`` on DGX A100 80 GB nodes
 (``profiles/nodes.toml`` ``dgx-a100-80gb``: NVSwitch inside a node, 8 HDR NICs per node) and compares the
-predicted hardware TFLOP/s per GPU (SC21 Eq. 3, recomputation counted) with the measured one.
+predicted TFLOP/s per GPU with the measured one: both are SC21 Eq. 3's FLOPs (recomputation counted) over
+the step time, so only the step time is predicted (a traced workload's own FLOP count, e.g. 2.5x-forward flash
+attention backward, would otherwise shift the numerator by ~1-3%).
 
 Case assumptions (the JSON's fields, plus what Table 2 leaves out):
 
@@ -52,7 +54,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from costmodel.analytic import gpt_workload
+from costmodel.analytic import gpt_workload, sc21_model_flops
 from costmodel.profiles import make_cluster
 from costmodel.step import ParallelConfig, estimate_step
 from costmodel.workload import Workload
@@ -142,7 +144,10 @@ def run(*, workload: str = "analytic", path: Path = DATA) -> list[dict]:
     for case in load_cases(path):
         w, source = _workload(case, workload, cache)
         est = estimate_step(w, case.config, make_cluster("dgx-a100-80gb", case.gpus // 8))
-        pred = est.hw_tflops_per_gpu
+        # the paper's FLOP count (Eq. 3) over the predicted step time: the same numerator as the measurement
+        flops = sc21_model_flops(batch=case.config.global_batch, seq=SEQ, layers=case.dims["layers"],
+                                 hidden=case.dims["hidden"], vocab=VOCAB, recompute=True)
+        pred = flops / est.step_time_s / case.gpus / 1e12
         rows.append({
             "case": case.id, "predicted_tflops": pred, "measured_tflops": case.measured_tflops,
             "error": pred / case.measured_tflops - 1.0, "step_time_s": est.step_time_s,

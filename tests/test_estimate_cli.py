@@ -61,3 +61,21 @@ def test_bad_configurations_exit_1_with_the_fix(capsys, extra, msg):
     rc, _, err = _run(capsys, *extra)
     assert rc == 1
     assert "autopar estimate: error:" in err and msg in err
+
+
+def test_traced_workload_agrees_with_the_analytic_count():
+    """costmodel.analytic cross-checks the tracer on the same GPT (the trace is cached from the tests above)."""
+    from costmodel.analytic import gpt_workload
+    from planner.workload import workload_from_model
+
+    traced, _ = workload_from_model(MODEL)
+    ana = gpt_workload(layers=4, hidden=256, heads=8, vocab=1000, seq=256)
+    assert traced.num_layers == ana.num_layers and traced.hidden == ana.hidden
+    assert traced.params == pytest.approx(ana.params, rel=1e-3)
+    assert traced.flops_fwd_per_seq == pytest.approx(ana.flops_fwd_per_seq, rel=1e-3)
+    t_layers = [l for l in traced.layers if l.kind == "transformer"]
+    a_layers = [l for l in ana.layers if l.kind == "transformer"]
+    assert [l.params for l in t_layers] == [l.params for l in a_layers]
+    assert [l.attn_flops_fwd for l in t_layers] == pytest.approx([l.attn_flops_fwd for l in a_layers])
+    # backward: 2x forward for the GEMMs; the tracer counts the attention backward as the kernel does (2.5x)
+    assert traced.flops_bwd_per_seq == pytest.approx(ana.flops_bwd_per_seq, rel=0.05)
