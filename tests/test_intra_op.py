@@ -376,3 +376,17 @@ def test_real_block_problem_matches_brute_force(traced, cluster, sp: bool) -> No
     sol = solve(bp.problem, SolverOptions())
     assert sol.status == "optimal" and abs(sol.objective - best) <= 1e-12 * max(1.0, best)
     assert evaluate(bp.problem, arg) == best
+
+
+def test_time_limit_returns_best_so_far() -> None:
+    """A tight limit on a large instance: whatever the status, the answer is feasible, no worse than the warm
+    start, and its bound does not exceed it."""
+    rng = random.Random(11)
+    p = random_problem(rng, n=200, dag=True, budget_frac=0.3)
+    greedy = greedy_choice(p)
+    sol = solve(p, SolverOptions(time_limit_s=0.05, backend="SCIP"))
+    assert sol.status in ("optimal", "feasible", "greedy")
+    assert sol.memory_bytes <= p.memory_budget_bytes
+    assert sol.objective <= evaluate(p, greedy) + 1e-12
+    assert sol.bound <= sol.objective and 0.0 <= sol.gap <= 1.0
+    assert sol.solve_time_s < 20.0  # greedy + model build + solver start-up dominate a 0.05 s limit

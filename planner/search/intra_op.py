@@ -198,43 +198,43 @@ def greedy_choice(problem: ShardingProblem) -> tuple[int, ...]:
         nbrs[e.dst].append(e)
     choice = [-1] * n
     for i in range(n):
-        best_k, best_c = 0, math.inf
-        for k in range(len(problem.strategy_names[i])):
-            c = problem.compute_s[i][k] + problem.comm_s[i][k]
-            for e in nbrs[i]:
-                if e.src == i and choice[e.dst] >= 0:
-                    c += e.cost_s[k][choice[e.dst]]
-                elif e.dst == i and choice[e.src] >= 0:
-                    c += e.cost_s[choice[e.src]][k]
-            if c < best_c:
-                best_k, best_c = k, c
-        choice[i] = best_k
-    return tuple(_repair_memory(problem, choice))
+        costs = [_local_cost(problem, nbrs[i], choice, i, k) for k in range(len(problem.strategy_names[i]))]
+        choice[i] = min(range(len(costs)), key=costs.__getitem__)
+    return tuple(_repair_memory(problem, nbrs, choice))
 
 
-def _repair_memory(problem: ShardingProblem, choice: list[int]) -> list[int]:
-    budget = problem.memory_budget_bytes
-    while memory_of(problem, choice) > budget:
-        base = evaluate(problem, choice)
-        if math.isinf(base):  # a forbidden pair already: the greedy plan is no warm start
-            break
+def _local_cost(problem: ShardingProblem, edges: Sequence[ShardingEdge], choice: Sequence[int], i: int,
+                k: int) -> float:
+    """Cost of op ``i`` under ``k`` plus its edges to the neighbours already chosen (``choice >= 0``)."""
+    c = problem.compute_s[i][k] + problem.comm_s[i][k]
+    for e in edges:
+        if e.src == i and choice[e.dst] >= 0:
+            c += e.cost_s[k][choice[e.dst]]
+        elif e.dst == i and choice[e.src] >= 0:
+            c += e.cost_s[choice[e.src]][k]
+    return c
+
+
+def _repair_memory(problem: ShardingProblem, nbrs: list[list[ShardingEdge]], choice: list[int]) -> list[int]:
+    memory = memory_of(problem, choice)
+    while memory > problem.memory_budget_bytes:
         best: tuple[float, int, int] | None = None
         for i, k0 in enumerate(choice):
+            here = _local_cost(problem, nbrs[i], choice, i, k0)
             for k, m in enumerate(problem.memory_bytes[i]):
                 saved = problem.memory_bytes[i][k0] - m
                 if saved <= 0:
                     continue
-                trial = choice.copy()
-                trial[i] = k
-                extra = evaluate(problem, trial) - base
-                if math.isinf(extra):
+                extra = _local_cost(problem, nbrs[i], choice, i, k) - here
+                if math.isinf(extra) or math.isnan(extra):
                     continue
-                ratio = extra / saved
-                if best is None or ratio < best[0]:
-                    best = (ratio, i, k)
-        if best is None:  # every op already at its minimum memory
+                if best is None or extra / saved < best[0]:
+                    best = (extra / saved, i, k)
+        if best is None:  # every op at its minimum memory, or only forbidden switches left
             break
-        choice[best[1]] = best[2]
+        _, i, k = best
+        memory -= problem.memory_bytes[i][choice[i]] - problem.memory_bytes[i][k]
+        choice[i] = k
     return choice
 
 
@@ -314,37 +314,46 @@ def _forbid_strategies(s, reduced: "_Reduced") -> None:
                 var.SetUb(0.0)
 
 
+# Rows are built with Constraint / SetCoefficient, not the operator API: ~10x faster on large instances.
+
+
 def _add_one_strategy_constraints(solver, s: list[list]) -> None:
     """Every op picks exactly one strategy: sum_k s_{i,k} = 1."""
     for i, row in enumerate(s):
-        solver.Add(solver.Sum(row) == 1, f"one_strategy_{i}")
+        ct = solver.Constraint(1.0, 1.0, f"one_strategy_{i}")
+        for var in row:
+            ct.SetCoefficient(var, 1.0)
 
 
 def _add_edge_consistency_constraints(solver, s, e, edges: Sequence[ShardingEdge]) -> None:
     """The edge state agrees with both endpoints: rows of e sum to s_src, columns to s_dst."""
     for n, edge in enumerate(edges):
-        for k, row in enumerate(e[n]):
-            solver.Add(solver.Sum(row) == s[edge.src][k], f"edge_src_{n}_{k}")
-        for l in range(len(e[n][0])):
-            solver.Add(solver.Sum([e[n][k][l] for k in range(len(e[n]))]) == s[edge.dst][l], f"edge_dst_{n}_{l}")
+        for k, row in enumerate(e[n]):  # sum_l e_{kl} - s_{src,k} = 0
+            ct = solver.Constraint(0.0, 0.0, f"edge_src_{n}_{k}")
+            for var in row:
+                ct.SetCoefficient(var, 1.0)
+            ct.SetCoefficient(s[edge.src][k], -1.0)
+        for l in range(len(e[n][0])):  # sum_k e_{kl} - s_{dst,l} = 0
+            ct = solver.Constraint(0.0, 0.0, f"edge_dst_{n}_{l}")
+            for k in range(len(e[n])):
+                ct.SetCoefficient(e[n][k][l], 1.0)
+            ct.SetCoefficient(s[edge.dst][l], -1.0)
 
 
 def _add_memory_constraint(solver, s, problem: ShardingProblem) -> None:
     """Memory of the chosen strategies fits the budget: sum_{i,k} m_{i,k} s_{i,k} <= M."""
     if math.isinf(problem.memory_budget_bytes):
         return
-    # Subtract the per-op minimum so the row has small coefficients (better conditioned, same feasible set).
-    floor = min_memory_bytes(problem)
-    slack = problem.memory_budget_bytes - floor
-    unit = max(slack, 1.0)  # rows in units of the slack: coefficients near 1
-    terms = [
-        ((m - min(problem.memory_bytes[i])) / unit) * s[i][k]
-        for i in range(problem.num_ops)
-        for k, m in enumerate(problem.memory_bytes[i])
-        if m > min(problem.memory_bytes[i])
-    ]
-    if terms:
-        solver.Add(solver.Sum(terms) <= slack / unit, "memory_budget")
+    # Subtract the per-op minimum so the row has small coefficients (better conditioned, same feasible set),
+    # in units of the slack so that they are near 1.
+    slack = problem.memory_budget_bytes - min_memory_bytes(problem)
+    unit = max(slack, 1.0)
+    ct = solver.Constraint(-solver.infinity(), slack / unit, "memory_budget")
+    for i, row in enumerate(problem.memory_bytes):
+        floor = min(row)
+        for k, m in enumerate(row):
+            if m > floor:
+                ct.SetCoefficient(s[i][k], (m - floor) / unit)
 
 
 def _set_objective(solver, s, e, reduced: _Reduced, scale: float) -> None:
