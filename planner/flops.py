@@ -38,8 +38,10 @@ from torch.utils import flop_counter as fc
 
 Shape = tuple[int, ...]
 
-MATMUL_OPS = frozenset({"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "_grouped_mm", "grouped_mm",
-                        "convolution", "_convolution", "conv1d", "conv2d"})
+# grouped GEMMs: torch._grouped_mm / F.grouped_mm, and transformers' CPU fallback custom op
+GROUPED_MM_OPS = frozenset({"_grouped_mm", "grouped_mm", "grouped_mm_fallback"})
+MATMUL_OPS = frozenset({"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "convolution", "_convolution",
+                        "conv1d", "conv2d", *GROUPED_MM_OPS})
 ATTENTION_OPS = frozenset({
     "scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
@@ -63,7 +65,7 @@ ELEMENTWISE_OPS = frozenset({
     "logical_or", "logical_not", "type_as", "fill", "zeros_like", "ones_like", "full_like", "empty_like",
     "erf", "softplus", "copy", "copy_", "add_", "mul_", "div_", "sub_", "masked_fill_", "leaky_relu", "elu",
     "hardtanh", "square", "rsub", "float", "bfloat16", "half", "sign", "floor", "ceil", "round", "trunc",
-    "remainder", "fmod", "maximum", "minimum", "lerp", "addcmul", "addcdiv", "mish", "hardswish",
+    "remainder", "fmod", "floor_divide", "maximum", "minimum", "lerp", "addcmul", "addcdiv", "mish", "hardswish",
     "isinf", "isnan", "nan_to_num", "exp2", "log1p", "expm1", "relu6", "glu", "gelu_", "silu_", "type",
 })
 REDUCTION_OPS = frozenset({
@@ -77,7 +79,7 @@ MOVEMENT_OPS = frozenset({
     "cat", "stack", "index", "gather", "scatter", "scatter_add", "index_select", "index_add", "index_put",
     "index_copy", "repeat_interleave", "repeat", "arange", "zeros", "ones", "full", "empty", "new_ones",
     "new_zeros", "new_full", "new_empty", "tril", "triu", "one_hot", "pad", "constant_pad_nd", "roll", "flip",
-    "masked_scatter", "masked_select", "nonzero", "scalar_tensor", "lift_fresh", "_local_scalar_dense",
+    "masked_scatter", "masked_select", "index_put_", "scatter_", "scatter_add_", "index_add_", "index_copy_", "nonzero", "scalar_tensor", "lift_fresh", "_local_scalar_dense",
     "item", "embedding_dense_backward", "tensor", "linspace", "randperm", "rand", "randn", "bernoulli",
     "empty_strided", "select_scatter", "slice_scatter", "diagonal", "tile", "unique", "searchsorted",
     "bucketize", "clone_", "fill_", "zero_", "set_", "resize_", "_unsafe_index", "take_along_dim",
@@ -146,7 +148,7 @@ def _matmul_cost(name: str, ins: Sequence[Shape | None], outs: Sequence[Shape], 
         flops, operands = fc.bmm_flop(_shape(ins, 0), _shape(ins, 1)), (g(0), g(1))
     elif name == "baddbmm":
         flops, operands = fc.baddbmm_flop(_shape(ins, 0), _shape(ins, 1), _shape(ins, 2)), (g(1), g(2))
-    elif name in ("_grouped_mm", "grouped_mm"):  # (T, k) x (E, k, n) with offsets: each row meets one expert
+    elif name in GROUPED_MM_OPS:  # (T, k) x (E, k, n) with offsets: each row meets one expert
         a, b = _shape(ins, 0), _shape(ins, 1)
         flops, operands = 2 * math.prod(a[:-1]) * a[-1] * b[-1], (g(0), g(1))
     elif name == "matmul":  # broadcasting matmul: 2 * prod(out) * k

@@ -268,3 +268,21 @@ def test_matmul_flops_match_a_real_forward_backward():
         real.model(ids).logits.float().pow(2).mean().backward()
     measured = sum(v for op, v in counter.get_flop_counts()["Global"].items() if "attention" not in str(op))
     assert ours == measured
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_moe_expert_implementations_count_the_same(impl):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=100, num_local_experts=4, num_experts_per_tok=2,
+                        attn_implementation="sdpa", experts_implementation=impl, use_cache=False)
+    with torch.device("meta"):
+        model = MixtralForCausalLM(cfg)
+    g = trace(model, (torch.zeros(1, 16, dtype=torch.long, device="meta"),))
+    s, h, ffn, E, k, l = 16, 64, 96, 4, 2, 2
+    experts = k * s * 2 * h * ffn * 3
+    attn = 4 * s * s * h
+    fwd = l * (2 * s * h * (h + 2 * 2 * 16 + h) + 2 * s * h * E + experts + attn) + 2 * s * h * 100
+    assert g.flops_fwd == pytest.approx(fwd, rel=1e-9)
+    assert g.unsupported == ()
