@@ -59,3 +59,61 @@ def test_explain_bad_file_is_a_typed_error(tmp_path, capsys):
     f.write_text("{")
     assert main(["explain", str(f)]) == 1
     assert "not valid JSON" in capsys.readouterr().err
+
+
+TINY = "gpt:layers=2,hidden=64,heads=4,vocab=128,seq=32"
+
+
+def test_plan_writes_a_valid_plan_and_summary(tmp_path, capsys):
+    from planner.plan import load_plan
+
+    out = tmp_path / "plan.json"
+    rc = main(["plan", "--model", TINY, "--cluster", "dgx-a100-80gb", "--gpus-per-node", "4", "--global-batch", "8",
+               "--out", str(out)])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    plan = load_plan(out)  # schema-validated
+    assert plan.cluster.num_devices == 4 and plan.degrees.world_size == 4
+    assert plan.solver.status == "optimal" and plan.solver.candidates_explored > 0
+    assert set(plan.solver.time_per_phase_s) >= {"trace", "enumerate", "screen", "stage_dp", "intra_op"}
+    mods = [m for s in plan.stages for m in s.modules]
+    assert mods[0].endswith("embed_tokens") and "lm_head" in mods  # real FQNs, the groups expanded
+    assert "step time" in cap.out and "tokens/s" in cap.out and f"wrote {out}" in cap.out
+    assert "autopar plan: screen" in cap.err  # progress on stderr
+
+
+def test_plan_json_fix_and_reproducible_output(capsys):
+    args = ["plan", "--model", TINY, "--cluster", "dgx-a100-80gb", "--gpus-per-node", "4", "--global-batch", "8",
+            "--fix", "tp=2,pp=2,mb=1", "--json", "--reproducible"]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert main(args) == 0
+    second = capsys.readouterr().out
+    assert first == second  # byte-identical
+    d = json.loads(first)
+    assert (d["degrees"]["tp"], d["degrees"]["pp"], d["schedule"]["microbatch_size"]) == (2, 2, 1)
+    assert d["solver"]["time_per_phase_s"] == {}
+
+
+def test_plan_bad_batch_names_nearest_valid_values(capsys):
+    rc = main(["plan", "--model", TINY, "--cluster", "dgx-a100-80gb", "--gpus-per-node", "4", "--global-batch", "7",
+               "--fix", "tp=1,pp=1"])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "global_batch=7" in err and "nearest valid global batches: [8, 4]" in err
+
+
+def test_plan_model_that_fits_nowhere_says_what_it_needs():
+    from costmodel.errors import InfeasiblePlanError
+    from costmodel.profiles import make_cluster
+    from costmodel.analytic import gpt_workload
+    from planner.plan import ModelInfo
+    from planner.search.driver import plan_model
+
+    wl = gpt_workload(layers=8, hidden=16384, heads=128, name="too-big")  # 26B parameters on 2 x 80 GB
+    info = ModelInfo(name="too-big", fingerprint="", params=wl.params, flops_per_step=0.0, num_layers=8,
+                     seq_len=2048)
+    with pytest.raises(InfeasiblePlanError) as e:
+        plan_model((wl, info), make_cluster("dgx-a100-80gb", 1, gpus_per_node=2), global_batch=8)
+    msg = str(e.value)
+    assert "GB per device" in msg and "ZeRO-3" in msg and "devices" in msg

@@ -45,6 +45,7 @@ def stage_plans(
     names = [tuple(groups.get(layer.name, (layer.name,))) for layer in workload.layers]
     times = list(getattr(est, "stage_time_s", ()) or ())
     mems = list(getattr(est, "stage_memory_gb", ()) or ())
+    chunk_times = _chunk_times(workload, candidate.stage_layers, times, s.pp)
     out, start = [], 0
     for c, n in enumerate(candidate.stage_layers):
         r = c % s.pp
@@ -56,11 +57,26 @@ def stage_plans(
             ranks=ranks,
             recompute=candidate.knobs.recompute,
             gpu=cluster.group_of_rank(ranks[0]).node.gpu.name,
-            predicted_time_s=float(times[c]) if len(times) == len(candidate.stage_layers) else 0.0,
+            predicted_time_s=chunk_times[c],
             predicted_memory_gb=float(mems[r]) if len(mems) == s.pp else float(est.memory_gb_per_device),
         ))
         start += n
     return tuple(out)
+
+
+def _chunk_times(workload: Any, stage_layers: Sequence[int], times: Sequence[float], pp: int) -> list[float]:
+    """Per-chunk seconds: the step model's per-chunk times when it gives them; when it gives them per pipeline
+    rank (interleaving: several chunks per rank), the rank's time split over its chunks by their FLOPs."""
+    n = len(stage_layers)
+    if len(times) == n:
+        return [float(t) for t in times]
+    if len(times) != pp:
+        return [0.0] * n
+    bounds = [sum(stage_layers[:c]) for c in range(n + 1)]
+    work = [sum(l.flops_fwd + l.flops_bwd for l in workload.layers[bounds[c] : bounds[c + 1]]) for c in range(n)]
+    rank_work = [sum(work[c] for c in range(r, n, pp)) for r in range(pp)]
+    return [float(times[c % pp]) * (work[c] / rank_work[c % pp] if rank_work[c % pp] > 0 else 1.0 / (n // pp))
+            for c in range(n)]
 
 
 def prediction(est: Any) -> Prediction:

@@ -208,7 +208,9 @@ def _best_knobs(
         for k in knobs:
             if k.recompute != level or ((k.zero_stage, k.sequence_parallel) in fitted and not exhaustive):
                 continue
-            if not exhaustive and ctx.states_lower_bound_gb(structure, k.zero_stage) > ctx.memory_limit_gb:
+            states_gb = ctx.states_lower_bound_gb(structure, k.zero_stage)
+            if not exhaustive and states_gb > ctx.memory_limit_gb:
+                ctx.least_infeasible_gb = min(ctx.least_infeasible_gb, states_gb)
                 continue  # the model states alone overflow the device, whatever is recomputed
             est = run(k)
             if est is not None and est.fits:
@@ -245,8 +247,10 @@ def _screen(ctx: _Ctx, structures: list[sp.Structure], bounds: dict[sp.Structure
                 best = cand
         elif tried:
             misses.append(min(tried, key=lambda c: (c.estimate.memory_gb_per_device, c.key())))
-        if ctx.progress and (n % 64 == 0 or n == len(structures) - 1):
+        if ctx.progress and n % 64 == 0:
             ctx.progress("screen", n + 1, len(structures), best.step_time_s if best else math.nan)
+    if ctx.progress:
+        ctx.progress("screen", len(structures), len(structures), best.step_time_s if best else math.nan)
     return best, fitting, misses, explored, status, bound
 
 
@@ -400,19 +404,22 @@ def _no_structure_error(ctx: _Ctx, dims: sp.ModelDimsLite) -> AutoparError:
 
 def _infeasible_error(ctx: _Ctx, workload: Any, cluster: Any) -> InfeasiblePlanError:
     need = ctx.least_infeasible_gb
-    have = _memory_limit_gb(cluster)
+    have = ctx.memory_limit_gb
+    n = cluster.num_devices
     if not math.isfinite(need):
         return InfeasiblePlanError(
-            f"the step model accepted no configuration of {workload.name} on {cluster.num_devices} devices"
+            f"the step model accepted no configuration of {workload.name} on {n} devices"
+            + (f" with --fix {ctx.fix}: relax --fix" if ctx.fix else "")
         )
-    factor = need / have if have > 0 else math.inf
-    more = int(math.ceil(cluster.num_devices * factor))
+    more = int(math.ceil(n * need / have)) if have > 0 else 0
+    tried = "ZeRO-3, full recompute, sequence parallel and micro-batch 1 included" if not ctx.fix else \
+        f"within --fix {ctx.fix}"
     return InfeasiblePlanError(
-        f"{workload.name} ({workload.params / 1e9:.1f}B parameters) does not fit on {cluster.num_devices} "
-        f"x {have:.0f} GB devices in any configuration tried: the leanest needs {need:.1f} GB per device "
-        f"(ZeRO-3, full recompute, sequence parallel, micro-batch 1 included). To fit: about {more} or more "
-        f"devices, devices with >= {need:.0f} GB, a shorter sequence, or a smaller global batch"
-        + (f"; or relax --fix {ctx.fix}" if ctx.fix else "")
+        f"{workload.name} ({workload.params / 1e9:.1f}B parameters) fits in no configuration on {n} x "
+        f"{have:.0f} GB devices ({tried}): the leanest needs at least {need:.1f} GB per device. To fit: "
+        f"roughly {more} or more devices (model states shard over ZeRO-3's data-parallel ranks), devices with "
+        f">= {math.ceil(need)} GB, a shorter sequence or a smaller micro-batch"
+        + ("; or relax --fix" if ctx.fix else "")
     )
 
 
