@@ -6,10 +6,11 @@ its shapes, dtypes, FLOP rule (``planner.flops``), bytes, the parameters it read
 
 The depth shortcut (why a 126-layer model traces in seconds): torch.export costs ~10 ms per op, and a
 transformer's layers are identical. Unless ``full_depth=True``, ``trace`` finds the model's layer list (the
-largest ``nn.ModuleList`` of same-class modules), keeps one layer per distinct layer structure (class,
-parameter names / shapes / dtypes, ``attention_type``) and at least two, swaps that shorter list into the
-model for the duration of the export (restored in ``finally``), and expands the traced layers back to the
-full depth: layer ``i`` gets a copy of its representative's ops with module and parameter FQNs renamed
+longest ``nn.ModuleList``), keeps the first two layers of every distinct layer structure (class, parameter
+names / shapes / dtypes, ``attention_type``): 2 layers for Llama 3 405B, 4 for an alternating pattern. It
+swaps that shorter list into the model for the duration of the export (restored in ``finally``), and expands
+the traced layers back to the full depth: layer ``i`` gets a copy of the second traced layer of its
+structure (the one fed by another layer), with module and parameter FQNs renamed
 (``model.layers.1.mlp`` -> ``model.layers.i.mlp``), and the residual stream is re-linked layer to layer.
 Two checks guard it: the traced copies of one structure must have identical op signatures, and the
 stream between layers must have the same arity everywhere; otherwise ``trace`` falls back to exporting the
