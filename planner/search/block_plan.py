@@ -397,4 +397,8 @@ def _cluster_key(cluster) -> tuple:
     groups = tuple((g.node.name, g.count, g.node.gpus_per_node, g.node.intra.gbps_per_direction,
                     g.node.nic.gbps_per_direction, g.node.nics_per_node) for g in cluster.groups)
     calibration = getattr(cluster, "calibration", None)
-    return (cluster.name, groups, None if calibration is None else id(calibration))
+    try:
+        hash(calibration)  # frozen dataclass of tuples: keyed by content
+    except TypeError:
+        calibration = id(calibration)
+    return (cluster.name, groups, calibration)
