@@ -1,12 +1,14 @@
 """``block_strategy``: the intra-op sharding of one distinct block on one submesh shape, memoized.
 
-``block_problem`` turns a block's coarsened ops (``strategies.LayerOp``) into a pure ``ShardingProblem``:
-per-op candidate times (compute from ``costmodel.compute``, the collectives a strategy issues from
-``costmodel.comm`` on the tp / cp / ep group), memory per device, and the resharding matrices of every edge
-(``strategies.conversion`` forward plus its backward dual). A block's input is the previous identical block's
-output, so one periodic edge ties the block's output layout to its input layout. ``block_strategy`` solves it
-with ``intra_op.solve`` once per key in an explicit ``StrategyCache``: a 126-layer model solves its one
-distinct block once.
+``block_ops.layer_ops_from_block`` reads a traced block's coarse ops (``strategies.LayerOp``);
+``block_problem`` turns them into a pure ``ShardingProblem``: per-op candidate times (compute from
+``costmodel.compute``, the collectives a strategy issues from ``costmodel.comm`` on the tp / cp / ep group,
+tp innermost), memory per device (model states at ``state_bytes_per_param`` plus stored activations), and the
+resharding matrix of every edge (``strategies.forward_conversion`` plus its backward dual; ``inf`` where the
+runtime cannot convert). Every block boundary has one layout (R, or S_seq with sequence parallelism), and a
+transformer layer's output feeds the next identical layer's input through a periodic edge. ``block_strategy``
+solves it with ``intra_op.solve`` once per key in an explicit ``StrategyCache``: a 126-layer model solves its
+one distinct block once.
 """
 
 from __future__ import annotations
