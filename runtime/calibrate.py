@@ -163,8 +163,11 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _time_call(fn: Callable[[], Any], *, device: str, min_time_s: float, blocks: int = 3) -> float:
-    """Seconds per call: best of ``blocks`` timed loops, each long enough to reach ``min_time_s / blocks``."""
+def _time_call(fn: Callable[[], Any], *, device: str, min_time_s: float, blocks: int = 7) -> float:
+    """Seconds per call: best of ``blocks`` timed loops, each long enough to reach ``min_time_s / blocks``.
+
+    The best (not the mean) because on a shared machine other processes only ever slow a loop down; many
+    short loops catch the moments this process had a core to itself."""
     fn()
     _sync(device)
     t0 = time.perf_counter()
@@ -368,6 +371,14 @@ def _collect(results: Any, procs: list, *, progress: Callable[[], None], timeout
 # --------------------------------------------------------------------------------------------- entry
 
 
+def _load_average() -> float:
+    """1-minute load average (other processes competing for the cores), NaN where unknown."""
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return float("nan")
+
+
 def _progress_bar(total: int, enabled: bool) -> Any:
     try:
         from tqdm import tqdm
@@ -395,6 +406,7 @@ def run_calibration(*, ranks: int = 2, quick: bool = False, progress: bool = Tru
     total = n_matmul + len(plan.membound_bytes) + n_coll
     bar = _progress_bar(total, progress)
     tick = bar.update if bar is not None else (lambda *a: None)
+    load_before = _load_average()
     threads_before = torch.get_num_threads()
     torch.set_num_threads(plan.threads_per_rank)
     try:
@@ -418,5 +430,6 @@ def run_calibration(*, ranks: int = 2, quick: bool = False, progress: bool = Tru
         collectives=tuple(collectives),
         threads_per_rank=plan.threads_per_rank,
         torch_version=torch.__version__,
-        notes=f"{'quick' if quick else 'full'} calibration, world sizes {list(plan.world_sizes)}",
+        notes=f"{'quick' if quick else 'full'} calibration, world sizes {list(plan.world_sizes)}; "
+        f"load average before / after: {load_before:.1f} / {_load_average():.1f} on {os.cpu_count()} cores",
     )

@@ -161,3 +161,17 @@ def test_per_rank_count_fits_capture_oversubscription():
     cluster = make_cluster("local", 1, gpus_per_node=4, calibration=cal)
     cost = collective_time_s("all_reduce", 1e5, Group(size=4), cluster)
     assert math.isclose(cost.time_s, 6 * 3e-4 + 1.5 * 1e5 / 1e9, rel_tol=1e-6)
+
+
+@pytest.mark.slow
+def test_autopar_calibrate_quick_writes_a_usable_profile(tmp_path, capsys):
+    from planner.cli import main
+
+    out = tmp_path / "cal.toml"
+    assert main(["calibrate", "--quick", "--out", str(out), "--no-progress"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    cal = load_calibration(out)
+    assert cal.accelerator == "cpu-local" and cal.backend == "gloo" and cal.matmul_fit("fp32")
+    assert {f.op for f in cal.collective_fits} == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv"}
+    cluster = resolve_cluster("local", gpus_per_node=2, profile_path=out)
+    assert cluster.gpu.tflops("fp32") == cal.matmul_fit("fp32").peak_tflops

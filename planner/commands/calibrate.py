@@ -31,5 +31,7 @@ def run(args: argparse.Namespace) -> int:
     for cfit in cal.collective_fits:
         ranks = f"2..{cfit.max_ranks} ranks" if cfit.ranks == 0 else f"{cfit.ranks} ranks"
         print(f"  {cfit.op:>14} ({ranks}): latency {cfit.latency_s * 1e6:.1f} us, bus bandwidth {cfit.bus_gbps:.3f} GB/s")
+    if cal.notes:
+        print(f"  notes: {cal.notes}")
     print(f"wrote {path}  (use it with --cluster local --profile {path})")
     return 0
