@@ -374,3 +374,20 @@ def walk_inflight(orders: Sequence[Sequence[Action]], *, rank: int, virtual_stag
         elif (a.kind == "W") == split:
             held -= 1
     return peak / virtual_stages
+
+
+def inflight_array(schedule: str, *, pp: int, num_microbatches: int, virtual_stages: int = 1) -> np.ndarray:
+    """``inflight_microbatches`` of every rank at once, shape (pp,) (the step model's vectorized form)."""
+    m, v = num_microbatches, virtual_stages
+    check_schedule(schedule, pp=pp, num_microbatches=m, virtual_stages=v)
+    r = np.arange(pp)
+    if schedule == "gpipe":
+        return np.full(pp, float(m))
+    if schedule == "1f1b":
+        return np.minimum(m, pp - r).astype(float)
+    zb = schedule == "zero-bubble"
+    per_round = m // max(1, m // pp)
+    warm = np.minimum((v - 1) * per_round + (1 if zb else 2) * (pp - 1 - r), m * v)
+    steady = m * v - warm
+    peak = warm + 1 + (np.minimum(r, np.maximum(steady - 1, 0)) if zb else 0)
+    return np.where(steady <= 0, float(m), np.minimum(peak, m * v) / v)

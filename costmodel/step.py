@@ -305,8 +305,7 @@ def _memory(workload: Workload, cfg: ParallelConfig, uniques: list, counts: np.n
         working = 5.0 * w.heads * w.seq * w.seq * b / (cfg.tp * cfg.cp * cfg.cp)
     is_tr = np.array([1.0 if l.kind == "transformer" else 0.0 for l in uniques])
     tr_per_rank = (counts @ is_tr).reshape(v, pp).sum(axis=0)
-    inflight = np.array([pl.inflight_microbatches(cfg.schedule, pp=pp, stage=r, num_microbatches=m,
-                                                  virtual_stages=v) for r in range(pp)])
+    inflight = pl.inflight_array(cfg.schedule, pp=pp, num_microbatches=m, virtual_stages=v)
     terms = mem.model_state_bytes(params=dense, zero_stage=cfg.zero_stage, dp=cfg.dp * cfg.cp, constants=mc)
     if expert.any():
         ex = mem.model_state_bytes(params=expert, zero_stage=cfg.zero_stage,

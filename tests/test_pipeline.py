@@ -112,6 +112,13 @@ def test_inflight_counts():
             walked = P.walk_inflight(orders, rank=r, virtual_stages=v, split=schedule == "zero-bubble")
             assert walked == P.inflight_microbatches(schedule, pp=pp, stage=r, num_microbatches=m,
                                                      virtual_stages=v)
+    for schedule, pp, m, v in itertools.product(P.SCHEDULES, (1, 2, 4, 8), (8, 16, 32), (1, 2, 4)):
+        if schedule in ("gpipe", "1f1b") and v > 1:
+            continue
+        arr = P.inflight_array(schedule, pp=pp, num_microbatches=m, virtual_stages=v)
+        one = [P.inflight_microbatches(schedule, pp=pp, stage=r, num_microbatches=m, virtual_stages=v)
+               for r in range(pp)]
+        assert arr.tolist() == pytest.approx(one), (schedule, pp, m, v)
 
 
 def test_events_are_consistent():
