@@ -21,6 +21,11 @@ per rank), ``interleaved-1f1b`` -> ``ScheduleInterleaved1F1B``, ``zero-bubble`` 
 V placement (chunk ``i`` and ``2p-1-i`` on one rank), which the plan's loop placement does not describe, so it is
 not used.
 
+Sequence parallel (``plan.sequence_parallel`` with tp > 1): activations cross chunk boundaries as whole
+sequences (B, T, H), replicated over tp; each chunk shards the sequence before its first layer and gathers it
+after its last module unless that is the LM head (whose colwise input layout gathers it). The TP hooks of
+``runtime.tensor_parallel`` for the first layer do not fire in a chunk (its layer container is no ModuleList).
+
 Tied embeddings (OPT / GPT-2 tie ``lm_head.weight`` to the token embedding): when the embedding and the head are
 on different pipeline ranks, both hold the weight; it is made equal once (broadcast from the embedding's rank on
 the first step) and its gradient is summed over the two ranks after each step (Megatron's embedding group).
@@ -110,22 +115,51 @@ class PipelineChunk(nn.Module):
         if self.layer_fqns:
             fqns += list(layout.aux)
         self.fqns = tuple(fqns)
+        self.has_head = hi == len(layout.units)
+        self.sp_mesh: Any | None = None
+        """The tp DeviceMesh under sequence parallelism (set by ``build_pipeline``): see ``forward``."""
         for fqn in self.fqns:
             _graft(self, fqn, model.get_submodule(fqn))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Sequence parallel: activations cross chunk boundaries whole (B, T, H); a chunk shards the sequence
+        # over tp before its first layer (after the embedding) and gathers it after its last module, unless
+        # that is the LM head, whose ColwiseParallel input (Shard(1)) gathers it itself.
+        sp = self.sp_mesh is not None and bool(self.layer_fqns or self.post_fqns)
         hidden = self._adapter.embed(self, x) if self.has_embedding else x  # (B, T, H)
-        if self.layer_fqns:
-            context = self._adapter.layer_context(self, hidden)
-            for fqn in self.layer_fqns:
-                hidden = self._adapter.run_layer(self.get_submodule(fqn), hidden, context)
+        context = self._adapter.layer_context(self, hidden) if self.layer_fqns else {}  # from the full T
+        if sp:
+            hidden = _to_sequence_shard(hidden, self.sp_mesh)  # (B, T/tp, H)
+        for fqn in self.layer_fqns:
+            hidden = self._adapter.run_layer(self.get_submodule(fqn), hidden, context)
         for fqn in self.post_fqns:
             hidden = self.get_submodule(fqn)(hidden)
+        if sp and not self.has_head:
+            hidden = _from_sequence_shard(hidden, self.sp_mesh)  # (B, T, H)
         if hidden._base is not None:
             # OPT layers return a view; FSDP2 warns that a chunk output view loses its pre-backward hook
             # under an in-place op. One copy per micro-batch and chunk keeps that off the table.
             hidden = hidden.clone()
         return hidden  # (B, T, H), or logits (B, T, V) after the head
+
+
+def _to_sequence_shard(x: torch.Tensor, tp_mesh: Any) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if x.shape[1] % tp_mesh.size():
+        raise ConfigError(
+            f"sequence parallel: sequence length {x.shape[1]} is not divisible by tp={tp_mesh.size()}; "
+            "pad the sequence or plan without sequence_parallel"
+        )
+    # backward: all-gather of the sequence-sharded gradients (DTensor redistribute)
+    return DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False).redistribute(tp_mesh, [Shard(1)]).to_local()
+
+
+def _from_sequence_shard(x: torch.Tensor, tp_mesh: Any) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    # backward: the (replicated) gradient of the whole sequence is sliced back to this rank's part
+    return DTensor.from_local(x, tp_mesh, [Shard(1)], run_check=False).redistribute(tp_mesh, [Replicate()]).to_local()
 
 
 def _graft(root: nn.Module, fqn: str, module: nn.Module) -> None:
@@ -415,6 +449,9 @@ def build_pipeline(
     pp = plan.degrees.pp
     device = _device_of(mesh)
     local = {i: c for i, c in enumerate(all_chunks) if i % pp == groups.pp_rank}
+    if plan.sequence_parallel and plan.degrees.tp > 1:
+        for chunk in local.values():
+            chunk.sp_mesh = mesh["tp"]
     if wrap_chunk is not None:
         local = {i: wrap_chunk(c) for i, c in local.items()}
     from torch.distributed.pipelining import PipelineStage

@@ -288,27 +288,26 @@ CASES_2 = {
 }
 CASES_4 = {
     "llama-tp2xpp2-1f1b": ("llama", False, "1f1b", [(0, 3), (3, 7)], 2, 2, ("full", "none"), 2, 1, 2),
+    "opt-tp2xpp2-sp-gpipe": ("opt", False, "gpipe", [(0, 3), (3, 7)], 2, 2, ("selective", "full"), 2, 1, 2),
     "opt-pp2xdp2-1f1b-tied": ("opt", True, "1f1b", [(0, 3), (3, 7)], 2, 1, None, 2, 2, 1),
     "gpt2-pp4-1f1b-tied": ("gpt2", True, "1f1b", [(0, 2), (2, 3), (3, 4), (4, 7)], 4, 1, None, 4, 1, 1),
 }
 
 
-def _llama_tp_shardings(layers: int = 4) -> tuple[ModuleSharding, ...]:
-    out = []
-    for i in range(layers):
-        p = f"model.layers.{i}"
-        out += [ModuleSharding(fqn=f"{p}.self_attn.{n}", style="colwise") for n in ("q_proj", "k_proj", "v_proj")]
-        out += [ModuleSharding(fqn=f"{p}.self_attn.o_proj", style="rowwise")]
-        out += [ModuleSharding(fqn=f"{p}.mlp.{n}", style="colwise") for n in ("gate_proj", "up_proj")]
-        out += [ModuleSharding(fqn=f"{p}.mlp.down_proj", style="rowwise")]
-    return tuple(out)
-
-
 def _case_plan(case) -> Plan:
+    """tp > 1: the Megatron styles (vocab-parallel embedding and head too); OPT with tp also runs sequence
+    parallel."""
+    import dataclasses
+
+    from runtime.manual_plan import megatron_shardings
+
     family, tied, schedule, cuts, n_mb, mb, rec, pp, dp, tp = case
-    shardings = _llama_tp_shardings() if tp > 1 else ()
-    return make_plan(tiny_model(family, tied=tied), cuts=cuts, pp=pp, schedule=schedule, n_mb=n_mb, mb=mb,
-                     dp=dp, tp=tp, recompute=rec, shardings=shardings)
+    model = tiny_model(family, tied=tied)
+    sp = tp > 1 and family == "opt"
+    shardings = megatron_shardings(model, sequence_parallel=sp) if tp > 1 else ()
+    plan = make_plan(model, cuts=cuts, pp=pp, schedule=schedule, n_mb=n_mb, mb=mb, dp=dp, tp=tp,
+                     recompute=rec, shardings=shardings)
+    return dataclasses.replace(plan, sequence_parallel=sp)
 
 
 def _record_actions(runner) -> list:
