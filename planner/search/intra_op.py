@@ -375,7 +375,8 @@ def _objective_scale(reduced: _Reduced) -> float:
     """Costs are seconds (1e-6..1e-1); MIP tolerances are absolute, so the largest coefficient becomes 1e6."""
     largest = max(
         [v for row in reduced.op_cost_s for v in row if not math.isinf(v)]
-        + [v for e in reduced.edges for r in e.cost_s for v in r if not math.isinf(v)]
+        + [v for e in reduced.edges for r in e.cost_s for v in r if not math.isinf(v)],
+        default=0.0,
     )
     return 1e6 / largest if largest > 0 else 1.0
 
