@@ -127,8 +127,9 @@ def test_committed_calibrations_load():
         assert cal.date[:4].isdigit() and cal.device_name
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
-def test_measure_collectives_on_two_gloo_ranks():
+def test_measure_collectives_on_two_gloo_ranks():  # ~10 s on an idle 2-core machine, a minute under load
     from runtime.calibrate import CalibrationPlan, measure_collectives
 
     plan = CalibrationPlan(

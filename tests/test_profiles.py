@@ -178,3 +178,12 @@ def test_bad_cluster_files(tmp_path):
         load_cluster_file(typo)
     with pytest.raises(ProfileError, match="does not exist"):
         load_cluster_file(tmp_path / "missing.toml")
+
+
+def test_cluster_file_can_name_a_calibration(tmp_path):
+    cal_path = sorted((PROFILES_DIR / "calibration").glob("*.json"))[0]
+    path = tmp_path / "mine.toml"
+    path.write_text(f'name = "my-box"\ncalibration = "{cal_path}"\n[[groups]]\nnode = "local"\ncount = 1\ngpus_per_node = 3\n')
+    cluster = load_cluster_file(path)
+    assert cluster.name == "my-box" and cluster.num_devices == 3
+    assert cluster.calibration is not None and cluster.gpu.hbm_gbps == cluster.calibration.membound_gbps
