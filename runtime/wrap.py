@@ -74,6 +74,9 @@ class ParallelModel:
         self.pipeline = pipeline
         """``runtime.pipeline.PipelineRunner`` when pp > 1."""
         self.dp_rank, self.dp_size = batch_rank_and_size(mesh)
+        self._device = (
+            torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+        )
 
     @property
     def plan(self) -> Plan:
@@ -114,6 +117,7 @@ class ParallelModel:
         if self.loss_fn is None:
             raise ConfigError("ParallelModel.step needs loss_fn: pass loss_fn= to apply_plan / auto_wrap")
         inputs, targets = self._local_batch(inputs, targets)
+        inputs, targets = _to(inputs, self._device), targets.to(self._device)
         if self.pipeline is not None:
             return self.pipeline.step(inputs, targets)
         n_mb = self._plan.schedule.num_microbatches
@@ -122,7 +126,7 @@ class ParallelModel:
             raise ConfigError(f"local batch {rows} does not split into num_microbatches={n_mb}")
         mb_inputs = _split(inputs, n_mb)
         mb_targets = targets.chunk(n_mb)
-        total = torch.zeros((), dtype=torch.float32)
+        total = torch.zeros((), dtype=torch.float32, device=self._device)  # NCCL reduces device tensors only
         for i in range(n_mb):
             last = i == n_mb - 1
             sync = self.module.no_sync() if isinstance(self.module, DistributedDataParallel) and not last else contextlib.nullcontext()
@@ -143,7 +147,7 @@ class ParallelModel:
             loss = self.loss_fn(logits, targets) / n_mb
             loss.backward()
         value = loss.full_tensor() if isinstance(loss, DTensor) else loss
-        return value.detach().float().cpu()
+        return value.detach().float()
 
     def _local_batch(self, inputs: Any, targets: torch.Tensor) -> tuple[Any, torch.Tensor]:
         global_rows = self._plan.global_batch
@@ -158,6 +162,12 @@ class ParallelModel:
             f"step got a batch of {rows} rows; the plan expects the global batch {global_rows} or this rank's "
             f"share {global_rows // self.dp_size} (dp={self.dp_size})"
         )
+
+
+def _to(inputs: Any, device: torch.device) -> Any:
+    if isinstance(inputs, torch.Tensor):
+        return inputs.to(device)
+    return tuple(x.to(device) for x in inputs)
 
 
 def _slice(inputs: Any, lo: int, hi: int) -> Any:
@@ -263,7 +273,9 @@ def auto_wrap(
         dist.broadcast_object_list(payload, src=0)
     if payload[0][0] == "err":
         _, kind, msg = payload[0]
-        raise _error_type(kind)(msg if info.rank == 0 else f"(from rank 0) {msg}")
+        err_type = _error_type(kind)
+        text = msg if err_type is not RuntimeError else f"planning on rank 0 raised {kind}: {msg}"
+        raise err_type(text if info.rank == 0 else f"(from rank 0) {text}")
     agreed = Plan.from_dict(payload[0][1])
     check_plan_matches(agreed, fingerprint=fingerprint_of(model), world_size=info.world_size)
     log.info("auto_wrap: plan degrees %s, zero %d, schedule %s", agreed.degrees, agreed.zero_stage, agreed.schedule)
@@ -274,7 +286,7 @@ def _error_type(name: str) -> type[Exception]:
     import costmodel.errors as errors
 
     found = getattr(errors, name, None)
-    return found if isinstance(found, type) and issubclass(found, Exception) else PlanMismatchError
+    return found if isinstance(found, type) and issubclass(found, errors.AutoparError) else RuntimeError
 
 
 def _resolve_plan(model: nn.Module, example_inputs: Any, *, plan: Any, cluster: Any, world_size: int) -> Plan:

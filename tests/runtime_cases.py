@@ -130,3 +130,15 @@ def compare(got: dict[str, Any], want: dict[str, Any], *, what: str) -> None:
             torch.testing.assert_close(g[n], w[n], rtol=RTOL, atol=ATOL, msg=lambda m: f"{what} grad {n} step {step}: {m}")
     for n, w in want["params"].items():
         torch.testing.assert_close(got["params"][n], w, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what} param {n}: {m}")
+
+
+def restrict(want: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
+    """The reference cut down to the parameters a rank holds (a pipeline rank reports only its stage's)."""
+    names = set(got["params"])
+    if not names <= set(want["params"]):
+        raise AssertionError(f"unknown parameters {sorted(names - set(want['params']))}")
+    return {
+        "losses": want["losses"],
+        "grads": [{n: g[n] for n in names} for g in want["grads"]],
+        "params": {n: want["params"][n] for n in names},
+    }
