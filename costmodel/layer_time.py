@@ -54,6 +54,8 @@ class StepConstants:
     zero3_flat_nic: bool = True
     zero3_passes_recompute: bool = True
     sustained_compute: float = 0.85
+    last_bucket_bytes: float = 25e6
+    """Gradient bucket reduced after the backward ends (PyTorch DDP's default bucket): never overlapped."""
 
 
 DEFAULT_STEP_CONSTANTS = StepConstants()

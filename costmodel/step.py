@@ -280,6 +280,9 @@ def _data_parallel(workload: Workload, cfg: ParallelConfig, cluster: Cluster, de
         else:
             window = float(pipe["bwd_rank_s"][r])
         e = _exposed(t, window, k)
+        if window > 0 and cfg.zero_stage < 3:  # the last bucket starts when the backward ends
+            grad_bytes = (key[0] + key[1]) * workload.dtype_bytes
+            e = max(e, t * min(1.0, k.last_bucket_bytes / grad_bytes) if grad_bytes > 0 else 0.0)
         if e >= exposed:
             exposed, kind = e, lk
     sharded = cfg.zero_stage >= 1

@@ -181,3 +181,13 @@ def test_fidelity_sc21_targets():
     for r in rows:
         bound = 0.15 if r["case"] in known else 0.10  # the two 530B ZeRO-3 rows: documented gap
         assert abs(r["error"]) <= bound, (r["case"], r["predicted_tflops"], r["measured_tflops"])
+
+
+def test_data_parallel_overlap(cluster64):
+    w = gpt_workload(layers=24, hidden=2304, heads=24)
+    base = dict(tp=1, pp=1, dp=512, microbatch=1, global_batch=512)
+    over = estimate_step(w, ParallelConfig(**base), cluster64)
+    after = estimate_step(w, ParallelConfig(**base, overlap_grad_reduce=False), cluster64)
+    exposed = lambda e: sum(v for k, v in e.breakdown_s.items() if k.startswith("comm_"))  # noqa: E731
+    assert exposed(after) > 2 * exposed(over) > 0  # overlapped: the last bucket and the slowdown remain
+    assert after.step_time_s - over.step_time_s == pytest.approx(exposed(after) - exposed(over))
