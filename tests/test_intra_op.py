@@ -390,3 +390,11 @@ def test_time_limit_returns_best_so_far() -> None:
     assert sol.objective <= evaluate(p, greedy) + 1e-12
     assert sol.bound <= sol.objective and 0.0 <= sol.gap <= 1.0
     assert sol.solve_time_s < 20.0  # greedy + model build + solver start-up dominate a 0.05 s limit
+
+
+def test_sequence_parallel_ok_predicate(traced, cluster) -> None:
+    from planner.search.block_plan import sequence_parallel_ok
+
+    graph, layers, dims = traced[LLAMA_BLOCK]
+    assert sequence_parallel_ok(layers[0], graph=graph, tp=8, seq=dims.seq, cluster=cluster)
+    assert not sequence_parallel_ok(layers[0], graph=graph, tp=16, seq=dims.seq, cluster=cluster)

@@ -404,3 +404,18 @@ def _cluster_key(cluster) -> tuple:
     except TypeError:
         calibration = id(calibration)
     return (cluster.name, groups, calibration)
+
+
+def sequence_parallel_ok(block, *, graph, tp: int, cluster, seq: int, cache: StrategyCache | None = None,
+                         **kwargs) -> bool:
+    """Whether ``block`` has an executable sequence-parallel sharding at this tp (False e.g. for MoE layers,
+    whose router / experts the runtime cannot feed sequence-sharded tokens, or when tp does not divide the kv
+    heads). For the search to prune ``sequence_parallel=True`` before asking ``block_strategy`` for it."""
+    if tp == 1:
+        return True
+    try:
+        block_strategy(block, graph=graph, tp=tp, microbatch=1, seq=seq, sequence_parallel=True, cluster=cluster,
+                       cache=cache, **kwargs)
+    except InfeasiblePlanError as e:
+        return "no sequence-parallel sharding" not in str(e)
+    return True
