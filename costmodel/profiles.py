@@ -390,6 +390,8 @@ def custom_cluster(*, gpu: str, nodes: int, gpus_per_node: int, intra: str, inte
     gpus_per_node = _positive_int(gpus_per_node, "gpus_per_node", "pass gpus_per_node >= 1")
     if isinstance(inter_node_gbps, bool) or not isinstance(inter_node_gbps, (int, float)) or not inter_node_gbps > 0:
         raise ProfileError(f"inter_node_gbps = {inter_node_gbps!r} must be a positive number of GB/s per direction")
+    if inter_node_gbps > 200:  # 1.6 Tb/s NICs are 200 GB/s: a larger number is probably Gb/s
+        log.warning("inter_node_gbps=%g GB/s per GPU is above any NIC sold; did you pass Gb/s (divide by 8)?", inter_node_gbps)
     choices = {"nvlink": accel.nvlink_link, "pcie": accel.pcie_link}
     if intra not in choices:
         raise ProfileError(f"intra = {intra!r}; allowed: nvlink, pcie")
