@@ -80,13 +80,13 @@ def run_case(case: dict, *, time_limit_s: float | None = None) -> dict:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'case':<26} {'gpus':>5}  {'published config':<34} {'pub s':>8} {'fits':>4}  "
-            f"{'planner config':<52} {'plan s':>8} {'fits':>4} {'speedup':>7} {'ok':>3} {'wall s':>6}")
+    head = (f"{'case':<26} {'gpus':>5}  {'published config':<42} {'pub s':>8} {'fits':>4}  "
+            f"{'planner config':<60} {'plan s':>8} {'fits':>4} {'speedup':>7} {'ok':>3} {'wall s':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r['id']:<26} {r['gpus']:>5}  {r['published']:<34} {r['published_step_s']:>8.3f} "
-            f"{'yes' if r['published_fits'] else 'NO':>4}  {r['plan']:<52} {r['plan_step_s']:>8.3f} "
+            f"{r['id']:<26} {r['gpus']:>5}  {r['published']:<42} {r['published_step_s']:>8.3f} "
+            f"{'yes' if r['published_fits'] else 'NO':>4}  {r['plan']:<60} {r['plan_step_s']:>8.3f} "
             f"{'yes' if r['plan_fits'] else 'NO':>4} {r['speedup']:>6.2f}x {'ok' if r['ok'] else 'NO':>3} "
             f"{r['plan_wall_s']:>6.1f}")
     n_ok = sum(r["ok"] for r in rows)

@@ -265,7 +265,8 @@ def _memory_limit_gb(cluster: Any) -> float:
     return min(g.node.gpu.memory_gb for g in cluster.groups)
 
 
-def _stage_dp(ctx: _Ctx, ranked: list[Candidate], misses: list[Candidate]) -> tuple[list[Candidate], int, bool]:
+def _stage_dp(ctx: _Ctx, ranked: list[Candidate], misses: list[Candidate],
+              bounds: Mapping[sp.Structure, float]) -> tuple[list[Candidate], int, bool]:
     """Uneven cuts for the best pipelined candidates (and for near misses that uneven cuts may make fit):
     every cut when there are at most ``exhaustive_cuts`` of them, else the stage DP's cut; each cut then gets
     its own best knobs. Returns the new candidates, the number of structures refined and whether all were."""
@@ -273,7 +274,8 @@ def _stage_dp(ctx: _Ctx, ranked: list[Candidate], misses: list[Candidate]) -> tu
         return [], 0, True
     best_s = ranked[0].step_time_s if ranked else math.inf
     limit = best_s * (1 + ctx.options.dp_margin)
-    pool = sorted([c for c in ranked + misses if c.structure.pp > 1 and c.step_time_s <= limit], key=Candidate.key)
+    pool = sorted([c for c in ranked + misses if c.structure.pp > 1 and c.step_time_s <= limit
+                   and bounds[c.structure] < best_s], key=Candidate.key)
     out, runs = [], 0
     todo = pool[: ctx.options.dp_top_k]
     for c in todo:
@@ -283,9 +285,10 @@ def _stage_dp(ctx: _Ctx, ranked: list[Candidate], misses: list[Candidate]) -> tu
         for cuts in _cut_proposals(ctx, c):
             if cuts == c.stage_layers:
                 continue
-            cand, _ = _best_knobs(ctx, c.structure, cuts, uneven=True)
+            cand, _ = _best_knobs(ctx, c.structure, cuts, uneven=True, best_s=best_s)
             if cand is not None:
                 out.append(cand)
+                best_s = min(best_s, cand.step_time_s)
     return out, runs, True
 
 
@@ -351,7 +354,7 @@ def search(
     best, fitting, misses, explored, status, bound = _screen(ctx, structures, bounds)
     t2 = time.perf_counter()
     ranked = sorted(fitting, key=Candidate.key)
-    improved, dp_runs, dp_complete = _stage_dp(ctx, ranked, misses)
+    improved, dp_runs, dp_complete = _stage_dp(ctx, ranked, misses, bounds)
     t3 = time.perf_counter()
     pool = sorted(ranked + improved, key=Candidate.key)
     if not pool:
