@@ -75,7 +75,8 @@ def cut_units(layout: Layout, stages: tuple[StagePlan, ...]) -> list[tuple[int, 
     n_units = len(layout.units)
     ranges: list[tuple[int, int]] = []
     for st in sorted(stages, key=lambda s: s.index):
-        ids = sorted({_unit_of(f, layout) for f in st.modules})
+        # aux modules (rotary embedding) go to every chunk with layers; a plan may list them anywhere
+        ids = sorted({_unit_of(f, layout) for f in st.modules if f not in layout.aux})
         if not ids:
             raise PlanMismatchError(f"stage {st.index} has no modules: every pipeline chunk needs at least one")
         if ids != list(range(ids[0], ids[-1] + 1)):
@@ -441,7 +442,7 @@ def build_pipeline(
     """
     _check_stage_ranks(plan)
     if mesh is None:
-        mesh = default_mesh(plan)
+        mesh = default_mesh(plan, device_type="cuda" if dist.get_backend() == "nccl" else "cpu")
     groups = _groups(mesh, plan)
     all_chunks = cut_model(model, plan=plan)
     tied = _tied_params(all_chunks, plan)

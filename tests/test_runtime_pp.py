@@ -169,6 +169,12 @@ def test_embedding_and_head_added_when_plan_names_only_layers():
         StagePlan(index=1, pp_rank=1, modules=lay.layers[2:], ranks=()),
     )
     assert cut_units(lay, stages) == [(0, 3), (3, 7)]
+    # the planner lists the rotary embedding in its embedding group: accepted, it goes to every chunk
+    stages = (
+        StagePlan(index=0, pp_rank=0, modules=("model.embed_tokens", "model.rotary_emb", *lay.layers[:1]), ranks=()),
+        StagePlan(index=1, pp_rank=1, modules=(*lay.layers[1:], "model.norm", "lm_head"), ranks=()),
+    )
+    assert cut_units(lay, stages) == [(0, 2), (2, 7)]
 
 
 @pytest.mark.parametrize(
@@ -337,11 +343,14 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _run_case(case) -> dict:
+    return _run_plan(case[0], case[1], _case_plan(case))
+
+
+def _run_plan(family: str, tied: bool, plan: Plan) -> dict:
+    """3 SGD steps of ``plan`` through build_pipeline on this rank: losses, local gradients, parameters, actions."""
     from runtime.pipeline import build_pipeline, default_mesh
 
-    family, tied, *_ = case
-    pp, dp, tp = case[7], case[8], case[9]
-    plan = _case_plan(case)
+    tp = plan.degrees.tp
     mesh = default_mesh(plan)
     wrap = None
     if tp > 1:
@@ -402,10 +411,13 @@ def _pp_body(rank: int, world_size: int, names: list[str]) -> dict:
 
 
 def _check_case(name: str, case, per_rank: list[dict]) -> None:
+    _check_plan(name, case[0], case[1], _case_plan(case), per_rank)
+
+
+def _check_plan(name: str, family: str, tied: bool, plan: Plan, per_rank: list[dict]) -> None:
     from costmodel.pipeline import Action, inflight_microbatches, rank_orders
 
-    family, tied, schedule, cuts, n_mb, mb, rec, pp, dp, tp = case
-    plan = _case_plan(case)
+    schedule, n_mb, pp = plan.schedule.name, plan.schedule.num_microbatches, plan.degrees.pp
     ref = reference_run(family, tied=tied, batch=plan.global_batch)
     for r, res in enumerate(per_rank):
         torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(ref["losses"]), rtol=RTOL, atol=ATOL,
@@ -418,7 +430,7 @@ def _check_case(name: str, case, per_rank: list[dict]) -> None:
     params = {n: p for res in per_rank for n, p in res["params"].items()}
     torch.testing.assert_close(params, {n: ref["params"][n] for n in params}, rtol=RTOL, atol=ATOL)
     # the order each pp rank ran is the order the cost model simulates; in-flight peak matches its closed form
-    v = len(cuts) // pp
+    v = plan.schedule.virtual_stages
     orders = rank_orders(schedule, pp=pp, num_microbatches=n_mb, virtual_stages=v)
     for res in per_rank:
         r = res["pp_rank"]
@@ -517,3 +529,30 @@ def test_cost_model_orders_and_inflight_match_torch_multi_chunk_schedules(schedu
                     assert got == peak / v, (pp, v, m, r)
                 checked += 1
     assert checked == 48
+
+
+def _planned_body(rank: int, world_size: int, plan_dict: dict) -> dict:
+    plan = Plan.from_dict(plan_dict)
+    return _run_plan("llama", False, plan)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_planner_made_pipeline_plan_runs_and_matches_single_process():
+    """A plan from planner.plan_model (interleaved 1F1B pinned) for the tiny Llama: its FQN cuts (with
+    ``model.rotary_emb`` listed in the embedding group) run on 2 ranks with the single-process numbers."""
+    from costmodel.profiles import resolve_cluster
+    from dist_utils import run_distributed
+    from planner.plan import model_fingerprint
+    from planner.search.driver import plan_model
+
+    spec = "llama:layers=4,hidden=64,ffn=128,heads=4,kv_heads=2,vocab=128,seq=16"
+    cluster = resolve_cluster("local", nodes=1, gpus_per_node=2)
+    plan = plan_model(spec, cluster, global_batch=4, fix="pp=2,tp=1,dp=1,schedule=interleaved-1f1b,virtual_stages=2")
+    model = tiny_model("llama")
+    assert plan.model.fingerprint == model_fingerprint(
+        (n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()
+    )
+    assert plan.degrees.pp == 2 and plan.schedule.virtual_stages == 2
+    results = run_distributed(_planned_body, world_size=2, args=(plan.to_dict(),), timeout_s=300)
+    _check_plan("planner-made", "llama", False, plan, results)
