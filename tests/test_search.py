@@ -169,23 +169,28 @@ def _real():
     return step, gpt_workload
 
 
-def test_search_equals_brute_force_under_the_step_model():
+@pytest.mark.parametrize("node,layers,hidden,heads,zeros", [
+    ("dgx-a100-80gb", 4, 6144, 48, (0, 1, 2, 3)),  # memory binds: ZeRO wins
+    ("pcie-8xa100", 6, 12288, 96, (0,)),  # slow tp links, no ZeRO: a pipeline wins, sequence parallel loses
+])
+def test_search_equals_brute_force_under_the_step_model(node, layers, hidden, heads, zeros):
     step, gpt_workload = _real()
-    # 4 layers of h=6144 (453M parameters each) on 4 x 80 GB: memory binds, so ZeRO / tp / pp all matter
-    wl = gpt_workload(layers=4, hidden=6144, heads=48, vocab=51200, seq=2048, name="gpt-4x6144")
-    cl = make_cluster("dgx-a100-80gb", 1, gpus_per_node=4)
-    ref = brute_force(wl, cl, 8, step.estimate_step, max_mb=4, max_v=2, config_type=None)
+    wl = gpt_workload(layers=layers, hidden=hidden, heads=heads, vocab=51200, seq=2048, name="gpt-small")
+    cl = make_cluster(node, 1, gpus_per_node=4)
+    ref = brute_force(wl, cl, 8, step.estimate_step, max_mb=4, max_v=2, config_type=None, zeros=zeros)
     opts = sp.SearchOptions(dp_margin=math.inf, dp_top_k=10**6, exhaustive_cuts=10**6, max_microbatch=4,
-                            max_virtual_stages=2, min_tokens_per_cp_rank=1)
+                            max_virtual_stages=2, min_tokens_per_cp_rank=1, zero_stages=zeros)
     res = driver.search(workload=wl, cluster=cl, global_batch=8, options=opts)
     assert ref is not None and res.best.fits
     assert res.best.step_time_s == pytest.approx(ref[0], rel=1e-9), (res.best.summary(), ref)
+    if node.startswith("pcie"):
+        assert res.best.structure.pp > 1 and not res.best.knobs.sequence_parallel
 
 
 @pytest.mark.parametrize("layers,hidden,heads", [(8, 4096, 32), (36, 12288, 96)])
 def test_dominance_rules_hold_for_the_step_model(layers, hidden, heads):
-    """What the pruning in space/driver assumes of the step model: recomputation never saves time; sequence
-    parallel (tp > 1) costs neither time nor memory; ZeRO-2 is neither slower nor larger than ZeRO-1; ZeRO
+    """What the pruning in space/driver assumes of the step model: recomputation never saves time; ZeRO-2 is
+    neither slower nor larger than ZeRO-1; ZeRO
     above 0 never helps with one dp x cp rank; the model-state memory bound is below every estimate; layer
     times summed over pipeline ranks do not depend on pp, dp, the schedule or the cuts."""
     step, gpt_workload = _real()
@@ -208,10 +213,6 @@ def test_dominance_rules_hold_for_the_step_model(layers, hidden, heads):
         for (r, z, spar), e in est.items():
             for r2 in sp.RECOMPUTE_ORDER[sp.RECOMPUTE_ORDER.index(r) + 1:]:
                 assert est[r2, z, spar].step_time_s >= e.step_time_s * (1 - 1e-9)
-            if spar:
-                off = est[r, z, False]
-                assert e.step_time_s <= off.step_time_s * (1 + 1e-9)
-                assert e.memory_gb_per_device <= off.memory_gb_per_device * (1 + 1e-9)
         on = s.tp > 1
         for r in sp.RECOMPUTE_ORDER:
             z1, z2 = est[r, 1, on], est[r, 2, on]

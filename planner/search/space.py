@@ -16,8 +16,9 @@ Pruning rules, each a dominance argument that ``tests/test_search.py`` checks ag
   little faster, e.g. its p2p hops overlap differently, so it is not dominated.)
 - ZeRO-1 is dominated by ZeRO-2 (same traffic, less memory), so the default ZeRO stages are 0, 2, 3.
 - With ``dp * cp == 1`` ZeRO has nothing to shard over: only ZeRO-0.
-- Sequence parallel is on whenever ``tp > 1``: it moves the same bytes as plain tp (all-gather +
-  reduce-scatter instead of all-reduce) and divides norm/dropout work and activations by tp.
+- Sequence parallel (tp > 1) is priced both ways: it saves activation memory and usually time (norm/dropout
+  work divided by tp, the same bytes moved), but not on every link and layer (e.g. over PCIe the step model
+  can price some layers slower with it), so it does not dominate plain tp.
 - With ``pp == 1`` the schedule and virtual stages are moot: one structure with ``1f1b`` and ``v = 1``.
 - ``step_time_lower_bound_s``: perfect compute at peak, stretched by the schedule's bubble; a structure whose
   bound is above the best plan found cannot win.
@@ -286,10 +287,10 @@ def knob_choices(structure: Structure, *, options: SearchOptions, fix: Mapping[s
         zeros = [0]  # ZeRO shards over the dp x cp ranks: with one there is nothing to shard
     if "sequence_parallel" in fix:
         sps = [fix["sequence_parallel"]] if (structure.tp > 1 or not fix["sequence_parallel"]) else []
-    elif options.exhaustive_knobs and structure.tp > 1:
-        sps = [False, True]
+    elif structure.tp > 1:
+        sps = [True, False]
     else:
-        sps = [structure.tp > 1]
+        sps = [False]
     return [Knobs(recompute=r, zero_stage=z, sequence_parallel=s) for r in rec for z in zeros for s in sps]
 
 
