@@ -25,7 +25,8 @@ Two things parallelize_module does not do and transformer code needs:
 - under sequence parallel a "region" (the parent of colwise linears that owns no sequence-parallel norm:
   attention, Llama's MLP) reads its input's sequence length, so its ``hidden_states`` input is all-gathered by a
   forward pre-hook (DTensor Shard(1) -> Replicate, the backward is the matching reduce-scatter); the sequence is
-  scattered at the input of the first transformer layer (``layers.0``) and gathered again by the head.
+  scattered at the input of the first transformer layer (``layers.0``) and gathered again by the head (the
+  vocab_head's colwise input layout, or a pre-hook on a replicated ``lm_head``).
 """
 
 from __future__ import annotations
@@ -98,6 +99,10 @@ def apply_tensor_parallel(
         first = _first_layer(modules, styles)
         if first is not None:
             modules[first].register_forward_pre_hook(_scatter_sequence_hook(tp_mesh), with_kwargs=True)
+        head = modules.get("lm_head")
+        if head is not None and styles.get("lm_head", "replicate") not in ("vocab_head", "colwise"):
+            # a replicated head reads the whole sequence: gather it (the vocab_head's colwise input does that)
+            head.register_forward_pre_hook(_gather_sequence_hook(tp_mesh), with_kwargs=True)
     retie(model, ties)
     log.info("tensor parallel tp=%d sp=%s: %d modules sharded", tp, sp, len(layer_plan))
     return model
