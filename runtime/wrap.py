@@ -15,6 +15,7 @@ It returns the global mean loss on every rank, with gradients averaged over data
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -324,4 +325,6 @@ def _plan_for(model: nn.Module, example_inputs: Any, *, cluster: Any, world_size
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "config.json"
         config.to_json_file(str(path))
-        return plan_model(str(path), cluster_obj, global_batch=int(ids.shape[0]), seq=int(ids.shape[1]))
+        plan = plan_model(str(path), cluster_obj, global_batch=int(ids.shape[0]), seq=int(ids.shape[1]))
+    name = f"{type(model).__name__} (auto_wrap)"  # not the temporary config path
+    return dataclasses.replace(plan, model=dataclasses.replace(plan.model, name=name))

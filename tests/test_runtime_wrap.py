@@ -16,7 +16,6 @@ import torch
 import runtime_cases as rc
 from runtime_spawn import parts_all_ranks
 
-pytestmark = pytest.mark.distributed
 
 
 def _wrap_body(rank: int, world_size: int, tmp: str) -> dict:
@@ -95,6 +94,7 @@ def _wrap_body(rank: int, world_size: int, tmp: str) -> dict:
     return out
 
 
+@pytest.mark.distributed
 def test_auto_wrap_two_ranks():
     results = parts_all_ranks(2, "test_runtime_wrap:_wrap_body")
     ref = rc.reference_run("opt", 4)
@@ -114,6 +114,7 @@ def test_auto_wrap_two_ranks():
         assert other_world is not None and "world size 4" in other_world and "2 ranks are running" in other_world
 
 
+@pytest.mark.distributed
 def test_auto_wrap_plans_itself():
     """plan=None: the planner's own plan for 2 local ranks trains like the single process."""
     results = parts_all_ranks(2, "test_runtime_wrap:_wrap_body")
@@ -128,3 +129,37 @@ def test_auto_wrap_plans_itself():
         if got["plan"]["degrees"]["pp"] == 1:
             assert set(planned["run"]["params"]) == set(ref["params"])
         rc.compare(planned["run"], rc.restrict(ref, planned["run"]), what=f"planner's plan rank {rank}")
+
+
+def test_materialize_is_deterministic_and_seeded_per_module():
+    from runtime.materialize import materialize, module_seed
+
+    a = materialize(rc.opt_model(), seed=0)
+    b = materialize(rc.opt_model(), seed=0)
+    c = materialize(rc.opt_model(), seed=1)
+    for (n, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters(), strict=True):
+        assert not torch.isnan(pa).any(), n
+        torch.testing.assert_close(pa, pb, rtol=0, atol=0)
+    q0 = a.get_parameter("model.decoder.layers.0.self_attn.q_proj.weight")
+    q1 = a.get_parameter("model.decoder.layers.1.self_attn.q_proj.weight")
+    assert not torch.equal(q0, q1)  # each module has its own stream
+    assert not torch.equal(q0, c.get_parameter("model.decoder.layers.0.self_attn.q_proj.weight"))
+    assert module_seed(0, "x") != module_seed(0, "y")
+    assert 0.015 < float(q0.detach().std()) < 0.025  # HF init: normal(0, initializer_range=0.02)
+
+
+def test_manual_plan_validates_and_mismatch_messages():
+    from costmodel.errors import PlanMismatchError
+    from planner.plan import Plan, check_plan_matches
+    from runtime.manual_plan import manual_plan
+    from runtime.wrap import fingerprint_of
+
+    opt = rc.opt_model()
+    plan = manual_plan(opt, tp=2, dp=2, zero_stage=3, sequence_parallel=True, microbatch_size=2)
+    again = Plan.from_dict(plan.to_dict())  # JSON schema + consistency checks
+    assert again == plan
+    check_plan_matches(plan, fingerprint=fingerprint_of(opt), world_size=4)
+    with pytest.raises(PlanMismatchError, match="fingerprint"):
+        check_plan_matches(plan, fingerprint=fingerprint_of(rc.llama_model()), world_size=4)
+    with pytest.raises(PlanMismatchError, match="world size 4"):
+        check_plan_matches(plan, fingerprint=fingerprint_of(opt), world_size=2)
