@@ -250,3 +250,23 @@ def test_plan_beats_published_megatron_config(case_id):
     res = driver.search(workload=wl, cluster=cl, global_batch=case["parallel"]["global_batch"])
     assert res.best.fits
     assert res.best.estimate.tokens_per_s >= pub.tokens_per_s * (1 - 1e-9), (res.best.summary(), pub.step_time_s)
+
+
+def test_plan_model_time_limit_and_byte_identical_json():
+    step, gpt_workload = _real()
+    from planner.plan import ModelInfo
+    from planner.search.driver import plan_model
+
+    wl = gpt_workload(layers=24, hidden=4096, heads=32, name="gpt-24x4096")
+    info = ModelInfo(name=wl.name, fingerprint="sha256:test", params=wl.params, flops_per_step=0.0,
+                     num_layers=24, seq_len=2048)
+    cl = make_cluster("dgx-a100-80gb", 4)
+    full = plan_model((wl, info), cl, global_batch=256, record_timings=False)
+    again = plan_model((wl, info), cl, global_batch=256, record_timings=False)
+    assert full.to_json() == again.to_json()
+    assert full.solver.status == "optimal" and full.solver.gap == 0.0 and len(full.alternatives) == 5
+    cut = plan_model((wl, info), cl, global_batch=256, time_limit_s=0.0)
+    assert cut.solver.status == "feasible" and cut.prediction.fits
+    assert cut.solver.candidates_explored < full.solver.candidates_explored
+    assert cut.solver.bound <= full.prediction.step_time_s <= cut.prediction.step_time_s
+    assert cut.solver.gap > 0
