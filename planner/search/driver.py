@@ -4,12 +4,21 @@ Phases (each timed in ``SolverStats.time_per_phase_s``):
 
 1. ``trace``: the model spec becomes a ``Workload`` (``planner.workload``, cached) unless one is given.
 2. ``enumerate``: ``space.enumerate_structures`` lists the valid structures (tp, cp, ep, pp, dp, micro-batch,
-   schedule, virtual stages), sorted by ``space.step_time_lower_bound_s``.
+   schedule, virtual stages); each gets a lower bound on its step time: the larger of perfect compute at peak
+   (``space.step_time_lower_bound_s``) and the pipeline bound from its group's summed layer times
+   (``space.pipeline_lower_bound_s``, one step-model call per (tp, cp, ep, micro-batch) group), valid for any
+   cuts and knobs. Structures are sorted by it.
 3. ``screen``: branch and bound. Each structure gets its best knobs (recompute, ZeRO, sequence parallel) by the
    dominance ladder of ``_best_knobs`` with even stages; the loop stops when a structure's lower bound
    reaches the best step time found (all later ones have larger bounds).
-4. ``stage_dp``: for the best pipelined structures (within ``dp_margin`` of the best, at most ``dp_top_k``),
-   the stage DP proposes uneven cuts (embedding and LM head weigh in), priced again by the step model.
+4. ``stage_dp``: for the best pipelined structures (within ``dp_margin`` of the best, at most ``dp_top_k``,
+   bound below the best), the stage DP proposes uneven cuts (embedding and LM head weigh in, memory with the
+   schedule's in-flight micro-batches), each priced again by the step model with its own knob ladder.
+
+``status="optimal"`` means: every structure was screened or pruned by its bound, under the dominance rules of
+``space`` (each checked against the step model in ``tests/test_search.py``); uneven cuts are searched by the
+stage DP for 1F1B / GPipe pipelines (v = 1) among the ``dp_top_k`` best structures, interleaved chunks stay
+even unless ``exhaustive_cuts`` enumerates them.
 5. ``intra_op``: the per-block sharding of the chosen configuration (engineer P1's ILP).
 
 Anytime: with ``time_limit_s`` the loop stops when the time is up (after at least one plan that fits) and the
@@ -71,7 +80,6 @@ class SearchResult:
     evaluations: int
     refined: int = 0
     time_per_phase_s: dict[str, float] = field(default_factory=dict)
-    infeasible_min_memory_gb: float = math.inf
 
 
 def make_config(structure: sp.Structure, knobs: sp.Knobs, *, global_batch: int, config_type: Any = None):
@@ -261,10 +269,6 @@ def _inflight(schedule: str, pp: int, m: int) -> list[float]:
             for r in range(pp)]
 
 
-def _memory_limit_gb(cluster: Any) -> float:
-    return min(g.node.gpu.memory_gb for g in cluster.groups)
-
-
 def _stage_dp(ctx: _Ctx, ranked: list[Candidate], misses: list[Candidate],
               bounds: Mapping[sp.Structure, float]) -> tuple[list[Candidate], int, bool]:
     """Uneven cuts for the best pipelined candidates (and for near misses that uneven cuts may make fit):
@@ -303,7 +307,7 @@ def _cut_proposals(ctx: _Ctx, c: Candidate) -> list[tuple[int, ...]]:
     proposal = propose_cuts(
         layers=ctx.workload.layers, pp=s.pp, num_microbatches=s.num_microbatches,
         inflight=_inflight(s.schedule, s.pp, s.num_microbatches),
-        memory_limit_gb=_memory_limit_gb(ctx.cluster),
+        memory_limit_gb=ctx.memory_limit_gb,
         price=lambda cuts: _price_or_raise(ctx, s, c.knobs, cuts),
     )
     return [] if proposal is None else [proposal.stage_layers]
