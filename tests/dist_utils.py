@@ -25,7 +25,7 @@ API (shared by every distributed test)::
   ``timeout_s``, all are terminated and ``TimeoutError`` names the ranks that had not reported.
 - Process start (importing torch) is the expensive part (~2-3 s per rank on 2 cores): group several checks into one
   spawned run per world size.
-- ``free_port() -> int``: a TCP port that was free a moment ago.
+- ``free_port() -> int``: a TCP port that was free a moment ago (a start that loses the port race is retried once).
 """
 
 from __future__ import annotations
@@ -94,7 +94,33 @@ def run_distributed(
     init_process_group: bool = True,
     env: dict[str, str] | None = None,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` spawned ranks; return results by rank."""
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` spawned ranks; return results by rank.
+
+    The free port can be taken by another process between choosing and binding it: that start is retried once.
+    """
+    call = dict(
+        world_size=world_size, args=args, kwargs=kwargs, timeout_s=timeout_s, backend=backend,
+        init_process_group=init_process_group, env=env,
+    )
+    try:
+        return _run_once(fn, **call)
+    except RankError as e:
+        if "address already in use" not in str(e).lower() and "eaddrinuse" not in str(e).lower():
+            raise
+        return _run_once(fn, **call)
+
+
+def _run_once(
+    fn: Callable[..., Any],
+    *,
+    world_size: int,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    timeout_s: float = 120.0,
+    backend: str = "gloo",
+    init_process_group: bool = True,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     child_env = {
