@@ -407,7 +407,23 @@ def _pp_body(rank: int, world_size: int, names: list[str]) -> dict:
         out[name]["time_s"] = time.perf_counter() - t0
     if world_size == 4:
         out["apply_plan_meta_zero3"] = _apply_plan_meta_zero3(dp=2)
+        out["zero_bubble_fsdp_refused"] = _zero_bubble_fsdp_error()
     return out
+
+
+def _zero_bubble_fsdp_error() -> str:
+    from runtime.manual_plan import manual_plan
+    from runtime.wrap import apply_plan
+
+    with torch.device("meta"):
+        model = tiny_model("llama")
+    plan = manual_plan(model, pp=2, dp=2, zero_stage=3, num_microbatches=2, microbatch_size=1, seq_len=SEQ,
+                       schedule="zero-bubble")
+    try:
+        apply_plan(model, plan, loss_fn=lm_loss, seed=0)
+    except ConfigError as e:
+        return str(e)
+    return "not refused"
 
 
 def _check_case(name: str, case, per_rank: list[dict]) -> None:
@@ -483,6 +499,7 @@ def test_pipeline_tp_dp_pp4_4_ranks_match_single_process():
     for r in range(4):
         torch.testing.assert_close(torch.tensor(results[r]["apply_plan_meta_zero3"]), torch.tensor(want),
                                    rtol=RTOL, atol=ATOL)
+        assert "zero-bubble' with FSDP" in results[r]["zero_bubble_fsdp_refused"]
 
 
 # --- unit: torch's multi-chunk schedule orders == the cost model's -----------------------------------------
