@@ -26,7 +26,9 @@ Two things parallelize_module does not do and transformer code needs:
   attention, Llama's MLP) reads its input's sequence length, so its ``hidden_states`` input is all-gathered by a
   forward pre-hook (DTensor Shard(1) -> Replicate, the backward is the matching reduce-scatter); the sequence is
   scattered at the input of the first transformer layer (``layers.0``) and gathered again by the head (the
-  vocab_head's colwise input layout, or a pre-hook on a replicated ``lm_head``).
+  vocab_head's colwise input layout, or a pre-hook on a replicated ``lm_head``). A pipeline chunk
+  (runtime.pipeline) holds its layers in plain containers, not the ModuleList, so no ``layers.0`` hook is added
+  there: the chunk's forward shards and gathers the sequence itself.
 """
 
 from __future__ import annotations
