@@ -402,10 +402,13 @@ def _no_structure_error(ctx: _Ctx, dims: sp.ModelDimsLite) -> AutoparError:
             f"global_batch={ctx.global_batch} is not divisible by any data-parallel degree that {n} devices "
             f"allow{what} (dp in {dps}); nearest valid global batches: {near}"
         )
+    gpn = min(g.node.gpus_per_node for g in ctx.cluster.groups)
+    tps = sp.tp_choices(dims, gpus_per_node=gpn)
     return ConfigError(
         f"no parallel configuration of {n} devices matches the model (heads={dims.heads}, "
-        f"kv_heads={dims.kv_heads}, layers={dims.layers}) and --fix {ctx.fix}: tp must be a power of two "
-        f"dividing heads and kv heads within a node of {ctx.cluster.gpus_per_node}; relax --fix"
+        f"kv_heads={dims.kv_heads}, layers={dims.layers}) and --fix {ctx.fix}: tp must be one of {tps} "
+        f"(a power of two dividing heads and kv heads, within a node of {gpn}), tp*cp*pp must divide {n} and "
+        f"pp <= {dims.layers}; relax --fix"
     )
 
 
@@ -456,6 +459,8 @@ def plan_model(
 
     if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch < 1:
         raise ConfigError(f"global_batch={global_batch!r} must be a positive integer")
+    if time_limit_s is not None and not time_limit_s >= 0:
+        raise ConfigError(f"time_limit_s={time_limit_s!r} must be >= 0 seconds (or None for no limit)")
     t0 = time.perf_counter()
     loaded = model_input.load(model, seq=seq, global_batch=global_batch)
     t_trace = time.perf_counter() - t0

@@ -31,6 +31,9 @@ def load(model: Any, *, seq: int | None, global_batch: int) -> LoadedModel:
         workload, info = model
         if not isinstance(info, ModelInfo):
             raise ConfigError(f"model=(Workload, {type(info).__name__}): the second item must be a planner.plan.ModelInfo")
+        if seq is not None and seq != workload.seq:
+            raise ConfigError(f"seq={seq} but the given Workload is for seq={workload.seq}: build the Workload for "
+                              f"seq={seq} or pass seq=None")
         return LoadedModel(workload=workload, model_info=info, module_groups=dict(workload.meta.get("module_groups", {})))
     if not isinstance(model, str):
         raise ConfigError(f"model must be a spec string or a (Workload, ModelInfo) pair, got {type(model).__name__}")
