@@ -18,7 +18,7 @@ from costmodel.errors import AutoparError
 COMMANDS = (
     "trace", "plan", "explain",
     "whatif", "export", "diff",
-    "calibrate", "estimate",
+    "calibrate", "estimate", "validate",
 )
 
 

@@ -1,0 +1,132 @@
+"""``autopar validate``: run a plan for a few steps on local gloo ranks; measured step time and memory beside the
+plan's predictions.
+
+``autopar validate plan.json [plan2.json ...]`` measures saved plans (made for ``--cluster local``);
+``autopar validate --model SPEC --cluster local --gpus-per-node N --global-batch B [--fix tp=2,dp=2 ...]`` makes
+the plan(s) on the fly (one per ``--fix``), priced with the local calibration (``--profile``, default the newest
+file in ``profiles/calibration/``), and measures them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from pathlib import Path
+
+NAME = "validate"
+HELP = "run plans for a few steps on local ranks; measured step time / memory vs the plan's predictions"
+
+_CALIBRATION_DIR = Path(__file__).resolve().parents[2] / "profiles" / "calibration"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("plans", nargs="*", type=Path, help="plan JSON files (from `autopar plan --cluster local`)")
+    p.add_argument("--model", default=None, help="model spec, to plan on the fly (instead of plan files)")
+    p.add_argument("--cluster", default="local", help="cluster to plan for on the fly (default local)")
+    p.add_argument("--gpus-per-node", type=int, default=4, help="local ranks to plan for and run (default 4)")
+    p.add_argument("--global-batch", type=int, default=8, help="sequences per step when planning (default 8)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length when planning (default the model's)")
+    p.add_argument("--fix", action="append", default=None, metavar="K=V,...",
+                   help="pin choices (as `autopar plan --fix`); repeat for several plans; default: the planner's")
+    p.add_argument("--profile", default=None, metavar="CALIBRATION",
+                   help="calibration from `autopar calibrate` (default: the newest in profiles/calibration/)")
+    p.add_argument("--steps", type=int, default=3, help="measured steps per plan (default 3)")
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured steps first (default 1)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: the calibration's)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
+                   help="compute dtype (default bf16, what the planner prices)")
+
+
+def build_model_for(spec: str, batch: int, seq: int):
+    """The meta-device model of ``spec`` (module level: pickled by name into the rank processes)."""
+    from planner.models import build_model
+
+    return build_model(spec, batch=batch, seq=seq, device="meta").model
+
+
+def default_profile() -> Path | None:
+    files = sorted(_CALIBRATION_DIR.glob("*.json"), key=lambda f: f.stat().st_mtime)
+    return files[-1] if files else None
+
+
+def _plans(args: argparse.Namespace, profile: Path | None) -> list:
+    from costmodel.errors import ConfigError
+    from planner.plan import load_plan
+
+    if args.plans and args.model:
+        raise ConfigError("give plan files or --model (to plan on the fly), not both")
+    if args.plans:
+        return [load_plan(p) for p in args.plans]
+    if not args.model:
+        raise ConfigError("nothing to validate: give plan files or --model SPEC --cluster local --gpus-per-node N")
+    from costmodel.profiles import resolve_cluster
+    from planner.search.driver import plan_model
+
+    cluster = resolve_cluster(args.cluster, nodes=1, gpus_per_node=args.gpus_per_node, profile_path=profile)
+    return [plan_model(args.model, cluster, global_batch=args.global_batch, seq=args.seq, fix=fix)
+            for fix in (args.fix or [None])]
+
+
+def _label(plan) -> str:
+    d = plan.degrees
+    parts = [f"{k}{getattr(d, k)}" for k in ("tp", "pp", "dp", "ep", "cp") if getattr(d, k) > 1] or ["single"]
+    extra = f" z{plan.zero_stage}" + (" sp" if plan.sequence_parallel else "")
+    sched = f" {plan.schedule.name} mb{plan.schedule.microbatch_size}x{plan.schedule.num_microbatches}"
+    return "x".join(parts) + extra + sched
+
+
+def run(args: argparse.Namespace) -> int:
+    from costmodel.calibration import load_calibration
+    from costmodel.errors import ConfigError
+    from runtime.validate import measure_plan
+
+    profile = Path(args.profile) if args.profile else default_profile()
+    threads = args.threads
+    if threads is None:
+        threads = int(getattr(load_calibration(profile), "threads_per_rank", 1) or 1) if profile else 1
+    plans = _plans(args, profile)
+    print(f"autopar validate: {len(plans)} plan(s), calibration {profile or 'none'}, {threads} thread(s) per rank, "
+          f"{args.warmup} warm-up + {args.steps} measured steps, compute {args.dtype}", file=sys.stderr)
+    rows = []
+    for plan in plans:
+        if "local" not in plan.cluster.name:
+            print(f"autopar validate: warning: plan made for {plan.cluster.name!r}, not 'local': predictions are "
+                  "for that cluster", file=sys.stderr)
+        factory = functools.partial(build_model_for, plan.model.name, plan.global_batch, plan.model.seq_len)
+        got = measure_plan(plan, model_factory=factory, steps=args.steps, warmup=args.warmup,
+                           threads_per_rank=threads, compute_dtype=args.dtype)
+        rows.append(_row(plan, got))
+        print(_format([rows[-1]], header=len(rows) == 1), flush=True)
+    if not rows:
+        raise ConfigError("no plans measured")
+    within = sum(1 for r in rows if abs(r["error"]) <= 0.20)
+    print(f"{within} of {len(rows)} plans within 20% of the predicted step time")
+    return 0
+
+
+def _row(plan, got) -> dict:
+    measured_s = max(m.step_time_s for m in got)
+    predicted_s = plan.prediction.step_time_s
+    return {
+        "plan": _label(plan),
+        "predicted_s": predicted_s,
+        "measured_s": measured_s,
+        "error": (predicted_s - measured_s) / measured_s,
+        "predicted_gb": plan.prediction.memory_gb_per_device,
+        "measured_gb": max(m.model_rss_bytes for m in got) / 1e9,
+        "peak_rss_gb": max(m.peak_rss_bytes for m in got) / 1e9,
+        "per_rank_s": [m.step_time_s for m in got],
+    }
+
+
+def _format(rows: list[dict], *, header: bool) -> str:
+    lines = []
+    if header:
+        lines.append(f"{'plan':<36} {'pred s':>8} {'meas s':>8} {'error':>7} {'pred GB':>8} {'meas GB':>8} "
+                     f"{'RSS GB':>7}  per-rank s")
+    for r in rows:
+        ranks = " ".join(f"{t:.3f}" for t in r["per_rank_s"])
+        lines.append(f"{r['plan']:<36} {r['predicted_s']:>8.3f} {r['measured_s']:>8.3f} {100 * r['error']:>+6.1f}% "
+                     f"{r['predicted_gb']:>8.3f} {r['measured_gb']:>8.3f} {r['peak_rss_gb']:>7.3f}  {ranks}")
+    return "\n".join(lines)

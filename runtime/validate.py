@@ -1,0 +1,196 @@
+"""Measure a plan on this machine: a few training steps on ``world_size`` local ranks, step time and peak memory.
+
+``measure_plan(plan, model_factory=..., steps=, warmup=)`` spawns ``plan.degrees.world_size`` processes (gloo on
+CPU, one process per rank as ``torchrun`` would start them), applies the plan with ``runtime.apply_plan``, runs
+``warmup + steps`` optimizer steps (AdamW, random token batches of ``plan.global_batch`` x ``plan.model.seq_len``)
+and returns one ``RankMeasurement`` per rank.
+
+What is timed: each step starts after a barrier (so a rank's time includes waiting for the slowest rank, as a
+synchronous step does) and ends after ``optimizer.step()``; ``step_time_s`` is the median over the measured steps.
+The compute dtype is the plan's: the planner prices bf16 compute (``planner/workload.py`` casts the traced model
+to bf16), so steps run under ``torch.autocast(dtype=bfloat16)`` with fp32 parameters (mixed precision, the memory
+model's 16 bytes per parameter with Adam). ``compute_dtype="fp32"`` runs without autocast.
+
+Memory: ``peak_rss_bytes`` is the process's peak resident set (``getrusage`` ``ru_maxrss``), ``base_rss_bytes`` the
+resident set before the model is built (torch, the interpreter and gloo buffers); the difference is what the cost
+model's per-device memory describes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import queue
+import resource
+import socket
+import statistics
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from costmodel.errors import ConfigError
+from planner.plan import Plan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankMeasurement:
+    rank: int
+    step_times_s: tuple[float, ...]
+    """Every measured step (warm-up steps excluded)."""
+    step_time_s: float
+    """Median of ``step_times_s``."""
+    peak_rss_bytes: int
+    base_rss_bytes: int
+    losses: tuple[float, ...]
+
+    @property
+    def model_rss_bytes(self) -> int:
+        """Peak resident memory above the process's resident memory before the model was built."""
+        return max(self.peak_rss_bytes - self.base_rss_bytes, 0)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of one micro-batch (logits (B, T, V))."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def _vocab_of(model: nn.Module) -> int:
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if not isinstance(emb, nn.Embedding):
+        raise ConfigError(f"validate needs a model with an input nn.Embedding; {type(model).__name__} has none")
+    return emb.num_embeddings
+
+
+def _rank_body(rank: int, plan: Plan, model_factory: Callable[[], nn.Module], cfg: dict[str, Any]) -> RankMeasurement:
+    import torch.distributed as dist
+
+    from runtime.wrap import apply_plan
+
+    base = _rss_bytes()
+    model = model_factory()
+    pm = apply_plan(model, plan, loss_fn=lm_loss, seed=0)
+    vocab = _vocab_of(model)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-4, foreach=False)
+    gen = torch.Generator().manual_seed(1234)
+    rows, seq = plan.global_batch, max(plan.model.seq_len, 1)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg["compute_dtype"] == "bf16")
+    times, losses = [], []
+    for i in range(cfg["warmup"] + cfg["steps"]):
+        ids = torch.randint(0, vocab, (rows, seq + 1), generator=gen)
+        dist.barrier()
+        t0 = time.perf_counter()
+        with autocast:
+            loss = pm.step(ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dt = time.perf_counter() - t0
+        if i >= cfg["warmup"]:
+            times.append(dt)
+            losses.append(float(loss))
+    dist.barrier()
+    return RankMeasurement(
+        rank=rank, step_times_s=tuple(times), step_time_s=statistics.median(times),
+        peak_rss_bytes=_peak_rss_bytes(), base_rss_bytes=base, losses=tuple(losses),
+    )
+
+
+def _child(rank: int, world: int, port: int, threads: int, payload: bytes, out: Any) -> None:
+    os.environ.update({
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port), "OMP_NUM_THREADS": str(threads),
+    })
+    try:
+        import torch.distributed as dist
+
+        from runtime.mesh import init_distributed
+
+        torch.set_num_threads(threads)
+        init_distributed(backend="gloo")
+        try:
+            plan, factory, cfg = pickle.loads(payload)
+            out.put((rank, "ok", pickle.dumps(_rank_body(rank, plan, factory, cfg))))
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        out.put((rank, "err", traceback.format_exc()))
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure_plan(
+    plan: Plan,
+    *,
+    model_factory: Callable[[], nn.Module],
+    steps: int = 3,
+    warmup: int = 1,
+    threads_per_rank: int = 1,
+    compute_dtype: str = "bf16",
+    timeout_s: float = 600.0,
+) -> list[RankMeasurement]:
+    """Run ``plan`` on ``plan.degrees.world_size`` local gloo ranks; one measurement per rank, by rank.
+
+    ``model_factory()`` builds the (meta-device) model in each rank process; it must pickle by name (a module-level
+    function or a ``functools.partial`` of one).
+    """
+    if steps < 1 or warmup < 0:
+        raise ConfigError(f"steps={steps} must be >= 1 and warmup={warmup} >= 0")
+    if compute_dtype not in ("bf16", "fp32"):
+        raise ConfigError(f"compute_dtype={compute_dtype!r}; choose bf16 (the planner's) or fp32")
+    world = plan.degrees.world_size
+    payload = pickle.dumps((plan, model_factory, {"steps": steps, "warmup": warmup, "compute_dtype": compute_dtype}))
+    ctx = torch.multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_child, args=(r, world, port, threads_per_rank, payload, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got: dict[int, RankMeasurement] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(got) + len(errors) < world and time.monotonic() < deadline:
+            try:
+                rank, kind, data = out.get(timeout=0.5)
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs) and not errors:
+                    deadline = min(deadline, time.monotonic() + 5.0)
+                continue
+            if kind == "ok":
+                got[rank] = pickle.loads(data)
+            else:
+                errors[rank] = data
+                deadline = min(deadline, time.monotonic() + 5.0)
+    finally:
+        for p in procs:
+            p.join(timeout=2.0)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=2.0)
+    if errors:
+        first = min(errors)
+        raise ConfigError(f"validate: {len(errors)} of {world} ranks failed; rank {first}:\n{errors[first]}")
+    if len(got) < world:
+        raise ConfigError(f"validate: ranks {sorted(set(range(world)) - set(got))} did not finish in {timeout_s:.0f} s")
+    return [got[r] for r in range(world)]
