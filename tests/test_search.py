@@ -270,3 +270,19 @@ def test_plan_model_time_limit_and_byte_identical_json():
     assert cut.solver.candidates_explored < full.solver.candidates_explored
     assert cut.solver.bound <= full.prediction.step_time_s <= cut.prediction.step_time_s
     assert cut.solver.gap > 0
+
+
+def test_stage_dp_moves_layers_off_the_heavy_head_stage():
+    """Llama-3-8B-like: the 128k-vocabulary head costs about two layers, so with a 1F1B pipeline the stage DP
+    gives the last stage fewer layers, and the step model prices that faster than the even split."""
+    step, _ = _real()
+    from costmodel.analytic import llama_workload
+
+    wl = llama_workload(layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, vocab=128256, seq=8192)
+    cl = make_cluster("dgx-a100-80gb", 2)
+    res = driver.search(workload=wl, cluster=cl, global_batch=64, fix="schedule=1f1b,pp=4,tp=1,cp=4")
+    best = res.best
+    assert best.uneven and best.stage_layers[-1] < best.stage_layers[1]
+    even = step.estimate_step(wl, driver.make_config(best.structure, best.knobs, global_batch=64), cl,
+                              stage_layers=driver.even_split([l.kind for l in wl.layers], 4))
+    assert best.step_time_s < even.step_time_s
