@@ -351,8 +351,10 @@ def search(
     if not structures:
         raise _no_structure_error(ctx, dims)
     ideal = _ideal_step_s(workload, cluster, global_batch)
-    bounds = {s: max(sp.step_time_lower_bound_s(s, ideal_step_s=ideal), structure_bound_s(ctx, s))
-              for s in structures}
+    bounds = {}
+    for s in structures:  # with the time up, the cheap bound alone (still valid) keeps the search anytime
+        cheap = sp.step_time_lower_bound_s(s, ideal_step_s=ideal)
+        bounds[s] = cheap if ctx.expired() else max(cheap, structure_bound_s(ctx, s))
     structures.sort(key=lambda s: (bounds[s], s))
     t1 = time.perf_counter()
     best, fitting, misses, explored, status, bound = _screen(ctx, structures, bounds)
