@@ -25,18 +25,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=60.0)
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--plot", type=Path, default=None, help="also write the sweep plots into DIR")
+    ap.add_argument("--time-limit", type=float, default=None, metavar="S",
+                    help="anytime search: stop each topology's search after S seconds (plans marked 'feasible')")
     args = ap.parse_args(argv)
 
     from planner.commands.whatif import format_table
     from planner.whatif import parse_sweep, run_whatif
 
+    from planner.workload import workload_from_model
+
     cases = parse_sweep(SWEEP)
+    t_trace = time.perf_counter()
+    workload_from_model(MODEL, batch=1)  # what run_whatif does first; timed apart (the workers inherit it)
+    trace_s = time.perf_counter() - t_trace
     with tempfile.TemporaryDirectory() as cache:
         t0 = time.perf_counter()
-        cold = run_whatif(MODEL, cases, global_batch=GLOBAL_BATCH, tokens=1e12, jobs=args.jobs, cache_dir=Path(cache))
+        kw = dict(global_batch=GLOBAL_BATCH, tokens=1e12, jobs=args.jobs, cache_dir=Path(cache),
+                  time_limit_s=args.time_limit)
+        cold = run_whatif(MODEL, cases, **kw)
         cold_s = time.perf_counter() - t0
         t1 = time.perf_counter()
-        warm = run_whatif(MODEL, cases, global_batch=GLOBAL_BATCH, tokens=1e12, jobs=args.jobs, cache_dir=Path(cache))
+        warm = run_whatif(MODEL, cases, **kw)
         warm_s = time.perf_counter() - t1
     print(format_table(cold.table))
     if args.plot:
@@ -46,13 +55,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {p}")
     ok = int((cold.table["status"] == "ok").sum())
     plan_s = cold.table["plan_time_s"]
-    print(f"\n{MODEL}, global batch {GLOBAL_BATCH}: {len(cases)} topologies, {ok} feasible, jobs={args.jobs}")
-    print(f"cold sweep {cold_s:.1f} s (per topology: median {plan_s.median():.2f} s, max {plan_s.max():.2f} s); "
+    optimal = int((cold.table["search"] == "optimal").sum())
+    print(f"\n{MODEL}, global batch {GLOBAL_BATCH}: {len(cases)} topologies, {ok} feasible ({optimal} searched to "
+          f"optimality), jobs={args.jobs}, time limit per topology {args.time_limit or 'none'}")
+    print(f"trace {trace_s:.1f} s + cold sweep {cold_s:.1f} s = {trace_s + cold_s:.1f} s (per topology: median {plan_s.median():.2f} s, max {plan_s.max():.2f} s); "
           f"cached rerun {warm_s:.2f} s; budget {args.budget_s:.0f} s")
     if not warm.table.drop(columns=["cached", "plan_time_s"]).equals(cold.table.drop(columns=["cached", "plan_time_s"])):
         print("cached rerun differs from the cold sweep", file=sys.stderr)
         return 1
-    return 0 if cold_s <= args.budget_s else 1
+    return 0 if trace_s + cold_s <= args.budget_s else 1
 
 
 if __name__ == "__main__":

@@ -473,7 +473,7 @@ TABLE_COLUMNS = (
     "cluster", "gpu", "gpus", "nodes", "gpus_per_node", "intra", "nic_gbit_s", "status",
     "tp", "pp", "dp", "cp", "ep", "zero", "sp", "schedule", "microbatch", "microbatches", "vstages", "recompute",
     "step_time_s", "tokens_per_s", "mfu", "memory_gb", "memory_gb_needed", "device_memory_gb", "bottleneck",
-    "usd_per_hour", "usd_per_mtok", "train_days", "train_cost_usd", "plan_time_s", "cached", "note",
+    "usd_per_hour", "usd_per_mtok", "train_days", "train_cost_usd", "search", "plan_time_s", "cached", "note",
 )
 
 
@@ -491,7 +491,7 @@ def outcome_row(case: ClusterCase, outcome: Outcome, *, tokens: float | None) ->
     )
     for k in ("tp", "pp", "dp", "cp", "ep", "zero", "microbatch", "microbatches", "vstages"):
         row[k] = None
-    row.update(sp=None, schedule=None, recompute=None, bottleneck=None)
+    row.update(sp=None, schedule=None, recompute=None, bottleneck=None, search=None)
     plan = outcome.plan
     if plan is None:
         return row
@@ -500,6 +500,7 @@ def outcome_row(case: ClusterCase, outcome: Outcome, *, tokens: float | None) ->
         tp=d.tp, pp=d.pp, dp=d.dp, cp=d.cp, ep=d.ep, zero=plan.zero_stage, sp=plan.sequence_parallel,
         schedule=s.name, microbatch=s.microbatch_size, microbatches=s.num_microbatches, vstages=s.virtual_stages,
         recompute=_recompute_summary(plan), memory_gb=pr.memory_gb_per_device, bottleneck=pr.bottleneck or None,
+        search=plan.solver.status,
     )
     if outcome.status != STATUS_OK:
         return row

@@ -156,3 +156,40 @@ def test_ctrl_c_keeps_finished_rows(jobs):
 def test_no_clusters_is_an_error():
     with pytest.raises(ConfigError, match="no clusters"):
         run_whatif("m", [], global_batch=8, plan_fn=standin_plan)
+
+
+def _without_timings(plan):
+    from dataclasses import replace
+
+    return replace(plan, solver=replace(plan.solver, time_per_phase_s={}))
+
+
+def test_with_the_planner_sweep_equals_planning_each_cluster_alone():
+    from _plans import gpt_workload
+    from planner import plan_model
+
+    model = gpt_workload(layers=8, hidden=1024, heads=16, seq=1024)
+    cases = parse_sweep(["gpu=a100-80gb,h100", "gpus-per-node=4,8"])
+    swept = run_whatif(model, cases, global_batch=32, tokens=1e10, jobs=2)
+    assert (swept.table["status"] == "ok").all()
+    for case in cases:
+        alone = plan_model(model, case.cluster, global_batch=32)
+        assert _without_timings(swept.plans[case.label]) == _without_timings(alone)
+        row = swept.table.set_index("cluster").loc[case.label]
+        assert row["step_time_s"] == alone.prediction.step_time_s
+        assert (row["tp"], row["pp"], row["dp"]) == (alone.degrees.tp, alone.degrees.pp, alone.degrees.dp)
+        assert row["schedule"] == alone.schedule.name and row["bottleneck"] == alone.prediction.bottleneck
+        assert row["memory_gb"] == alone.prediction.memory_gb_per_device
+
+
+@pytest.mark.slow
+def test_traced_spec_sweep_forks_from_a_warm_trace_and_equals_alone():
+    from planner import plan_model
+
+    spec = "gpt:layers=2,hidden=128,heads=4,vocab=512,seq=128"
+    cases = parse_sweep(["gpu=h100", "gpus-per-node=2,4"])
+    swept = run_whatif(spec, cases, global_batch=8, jobs=2)
+    for case in cases:
+        alone = plan_model(spec, case.cluster, global_batch=8)
+        assert _without_timings(swept.plans[case.label]) == _without_timings(alone)
+        assert swept.plans[case.label].shardings  # the traced blocks reached the workers

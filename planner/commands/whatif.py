@@ -16,7 +16,7 @@ HELP = "compare clusters: plan the model on each (names, files or a sweep) and t
 
 _SHOWN = ["cluster", "gpus", "status", "tp", "pp", "dp", "cp", "zero", "schedule", "microbatch", "recompute",
           "step_time_s", "tokens_per_s", "mfu", "memory_gb", "memory_gb_needed", "bottleneck", "usd_per_mtok",
-          "train_days", "train_cost_usd"]
+          "train_days", "train_cost_usd", "search"]
 
 
 def _axis(token: str):
