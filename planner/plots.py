@@ -92,8 +92,8 @@ def plot_scaling(table: Any, path: str | Path, *, title: str = "") -> Path:
     ax_c.set_title("cost per token")
     unpriced = sorted(set(ok.loc[ok["usd_per_mtok"].isna(), "gpu"]))
     if unpriced:
-        ax_c.text(0.02, 0.98, f"no price in the node profiles: {', '.join(unpriced)}", transform=ax_c.transAxes,
-                  va="top", fontsize=8, color="#555555")
+        ax_c.text(0.02, 0.02, f"not drawn, no price in the node profiles: {', '.join(unpriced)}",
+                  transform=ax_c.transAxes, va="bottom", fontsize=8, color="#555555")
     handles, labels = ax_t.get_legend_handles_labels()
     if handles:
         fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3, fontsize=8,
@@ -106,10 +106,16 @@ def plot_scaling(table: Any, path: str | Path, *, title: str = "") -> Path:
     return _save(fig, path)
 
 
-def _plain_formatter() -> Any:
+def _plain_formatter(*, leading: str = "", thousands: bool = False) -> Any:
+    """Tick labels as plain numbers; ``leading``: label only values whose first digit is in it (minor ticks)."""
     from matplotlib.ticker import FuncFormatter
 
-    return FuncFormatter(lambda v, _pos: f"{v:g}")
+    def fmt(v: float, _pos: Any) -> str:
+        if leading and f"{v:e}"[0] not in leading:
+            return ""
+        return f"{v:,.0f}" if thousands and abs(v) >= 1000 else f"{v:g}"
+
+    return FuncFormatter(fmt)
 
 
 def plot_breakdown(table: Any, breakdowns: dict[str, dict[str, float]], path: str | Path, *,
@@ -169,7 +175,8 @@ def plot_pareto(table: Any, path: str | Path, *, tokens: float | None = None, ti
             ax.annotate(names[i], (xs[i], ys[i]), textcoords="offset points", xytext=(5, 5), fontsize=8)
     ax.set_xscale("log")
     ax.xaxis.set_major_formatter(_plain_formatter())
-    ax.xaxis.set_minor_formatter(_plain_formatter())
+    ax.xaxis.set_minor_formatter(_plain_formatter(leading="25"))
+    ax.yaxis.set_major_formatter(_plain_formatter(thousands=True))
     ax.set_xlabel(xlabel + ", log scale")
     ax.set_ylabel(ylabel)
     ax.set_title(title or "time vs cost: Pareto-optimal clusters")
