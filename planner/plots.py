@@ -92,8 +92,8 @@ def plot_scaling(table: Any, path: str | Path, *, title: str = "") -> Path:
     ax_c.set_title("cost per token")
     unpriced = sorted(set(ok.loc[ok["usd_per_mtok"].isna(), "gpu"]))
     if unpriced:
-        ax_c.text(0.02, 0.02, f"not drawn, no price in the node profiles: {', '.join(unpriced)}",
-                  transform=ax_c.transAxes, va="bottom", fontsize=8, color="#555555")
+        ax_c.set_title(f"cost per token\n(not drawn, no price in the node profiles: {', '.join(unpriced)})",
+                       fontsize=10)
     handles, labels = ax_t.get_legend_handles_labels()
     if handles:
         fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3, fontsize=8,
