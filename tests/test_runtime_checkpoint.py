@@ -1,9 +1,10 @@
 """Checkpoint / resume on gloo ranks: a killed run resumes with the same losses; a checkpoint saved on 4 ranks as
 tp2 x pp2 resumes on 2 ranks as dp2 (resharded on load) with the losses of continuing on 4.
 
-Spawned runs (process start dominates): A = 2 ranks dp2, 6 steps uninterrupted, saving every 2; B = the same,
-rank 1 calls ``os._exit`` at step 5 (the run dies: RankError); D = 4 ranks tp2 x pp2, 4 steps, saving every 2;
-C = 2 ranks: resume B's directory to step 6, then load D's step-2 checkpoint as dp2 and run steps 2-3.
+Spawned runs (process start dominates): B = 2 ranks dp2, 6 steps saving every 2, rank 1 calls ``os._exit`` at
+step 5 (the run dies: RankError); D = 4 ranks tp2 x pp2, 4 steps, saving every 2; C = 2 ranks: resume B's directory
+to step 6, run the same 6 steps uninterrupted in a fresh directory, then load D's step-2 checkpoint as dp2 and run
+steps 2-3.
 Tolerances: the fault resume runs the same plan with the same reduction order, so losses must be bitwise equal
 (``torch.equal``); the reshard resume changes the plan (tp/pp -> dp): rtol=1e-4, atol=1e-5 (runtime_cases).
 """
@@ -20,7 +21,7 @@ import torch
 from dist_utils import RankError, run_distributed
 from runtime_cases import ATOL, RTOL, batches, loss_fn, make_optimizer, opt_model
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # ~90 s on 2 loaded cores: three spawned runs
 
 GLOBAL_BATCH = 2
 
@@ -58,10 +59,6 @@ def _train(rank: int, world: int, *, kind: str, ckpt_dir: str, total: int, every
     return {"start": start, "losses": losses}
 
 
-def _body_a(rank: int, world: int, tmp: str) -> dict:
-    return _train(rank, world, kind="dp2", ckpt_dir=f"{tmp}/a", total=6, every=2)
-
-
 def _body_b(rank: int, world: int, tmp: str) -> dict:
     return _train(rank, world, kind="dp2", ckpt_dir=f"{tmp}/b", total=6, every=2, kill_at=5)
 
@@ -72,6 +69,7 @@ def _body_d(rank: int, world: int, tmp: str) -> dict:
 
 def _body_c(rank: int, world: int, tmp: str) -> dict:
     resumed = _train(rank, world, kind="dp2", ckpt_dir=f"{tmp}/b", total=6, every=2)
+    uninterrupted = _train(rank, world, kind="dp2", ckpt_dir=f"{tmp}/a", total=6, every=2)
     # D kept step_2 and step_4 (keep=2); drop step_4 so that the latest is step 2 and steps 2-3 can be compared
     if rank == 0:
         import shutil
@@ -79,19 +77,18 @@ def _body_c(rank: int, world: int, tmp: str) -> dict:
         shutil.rmtree(f"{tmp}/d/step_00000004")
     torch.distributed.barrier()
     resharded = _train(rank, world, kind="dp2", ckpt_dir=f"{tmp}/d", total=4, every=100)
-    return {"resumed": resumed, "resharded": resharded}
+    return {"resumed": resumed, "resharded": resharded, "uninterrupted": uninterrupted}
 
 
 @pytest.fixture(scope="module")
 def runs():
     with tempfile.TemporaryDirectory() as tmp:
-        a = run_distributed(_body_a, world_size=2, args=(tmp,), timeout_s=180)
         with pytest.raises(RankError, match="exited with code 17|rank 1"):
             run_distributed(_body_b, world_size=2, args=(tmp,), timeout_s=180)
         complete_b = sorted(p.name for p in Path(tmp, "b").iterdir() if (p / "autopar.json").is_file())
         d = run_distributed(_body_d, world_size=4, args=(tmp,), timeout_s=240)
         c = run_distributed(_body_c, world_size=2, args=(tmp,), timeout_s=240)
-        yield {"a": a, "c": c, "d": d, "complete_b": complete_b}
+        yield {"c": c, "d": d, "complete_b": complete_b}
 
 
 def test_killed_run_resumes_with_identical_losses(runs):
@@ -101,7 +98,7 @@ def test_killed_run_resumes_with_identical_losses(runs):
         assert resumed["start"] in (2, 4), resumed["start"]
         assert sorted(resumed["losses"]) == list(range(resumed["start"], 6))
         for step, loss in resumed["losses"].items():
-            want = runs["a"][rank]["losses"][step]
+            want = runs["c"][rank]["uninterrupted"]["losses"][step]
             assert torch.equal(loss, want), f"rank {rank} step {step}: resumed {loss} vs uninterrupted {want}"
 
 
@@ -116,4 +113,5 @@ def test_reshard_tp2pp2_on_4_to_dp2_on_2(runs):
 
 def test_uninterrupted_dp2_losses_agree_across_ranks(runs):
     for step in range(6):
-        assert torch.equal(runs["a"][0]["losses"][step], runs["a"][1]["losses"][step])
+        a = [runs["c"][r]["uninterrupted"]["losses"][step] for r in range(2)]
+        assert torch.equal(a[0], a[1])
