@@ -34,8 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=3, help="measured steps per plan (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured steps first (default 1)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: the calibration's)")
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
-                   help="compute dtype (default bf16, what the planner prices)")
+    p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="compute dtype; auto (default): bf16 (what the planner prices) when the calibration has a "
+                   "bf16 matmul fit, else fp32 (the cost model then prices compute at the fp32 fit: what CPUs run)")
 
 
 def build_model_for(spec: str, batch: int, seq: int):
@@ -86,8 +87,12 @@ def run(args: argparse.Namespace) -> int:
     if threads is None:
         threads = int(getattr(load_calibration(profile), "threads_per_rank", 1) or 1) if profile else 1
     plans = _plans(args, profile)
+    dtype = args.dtype
+    if dtype == "auto":
+        cal = load_calibration(profile) if profile else None
+        dtype = "bf16" if cal is not None and cal.matmul_fit("bf16") is not None else "fp32"
     print(f"autopar validate: {len(plans)} plan(s), calibration {profile or 'none'}, {threads} thread(s) per rank, "
-          f"{args.warmup} warm-up + {args.steps} measured steps, compute {args.dtype}", file=sys.stderr)
+          f"{args.warmup} warm-up + {args.steps} measured steps, compute {dtype}", file=sys.stderr)
     rows = []
     for plan in plans:
         if "local" not in plan.cluster.name:
@@ -95,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
                   "for that cluster", file=sys.stderr)
         factory = functools.partial(build_model_for, plan.model.name, plan.global_batch, plan.model.seq_len)
         got = measure_plan(plan, model_factory=factory, steps=args.steps, warmup=args.warmup,
-                           threads_per_rank=threads, compute_dtype=args.dtype)
+                           threads_per_rank=threads, compute_dtype=dtype)
         rows.append(_row(plan, got))
         print(_format([rows[-1]], header=len(rows) == 1), flush=True)
     if not rows:
