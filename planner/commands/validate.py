@@ -105,6 +105,11 @@ def run(args: argparse.Namespace) -> int:
         print(_format([rows[-1]], header=len(rows) == 1), flush=True)
     if not rows:
         raise ConfigError("no plans measured")
+    import os
+
+    world = plans[-1].degrees.world_size
+    print(f"machine: {world} ranks on {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} after the runs; "
+          "the cost model prices each rank at the calibrated single-process rate")
     within = sum(1 for r in rows if abs(r["error"]) <= 0.20)
     print(f"{within} of {len(rows)} plans within 20% of the predicted step time")
     return 0
