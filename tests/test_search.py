@@ -286,3 +286,17 @@ def test_stage_dp_moves_layers_off_the_heavy_head_stage():
     even = step.estimate_step(wl, driver.make_config(best.structure, best.knobs, global_batch=64), cl,
                               stage_layers=driver.even_split([l.kind for l in wl.layers], 4))
     assert best.step_time_s < even.step_time_s
+
+
+def test_sequence_parallel_only_where_the_blocks_can_execute_it():
+    """GPT-2's Conv1D layers stay replicated, so no tp admits sequence parallelism: the search must not pick it
+    (it used to, and the plan then failed in the per-block ILP)."""
+    from costmodel.profiles import make_cluster
+    from planner.search import model_input
+    from planner.search.driver import plan_model
+
+    cluster = make_cluster("dgx-h100", 1)
+    loaded = model_input.load("gpt2", seq=None, global_batch=8)
+    assert model_input.sequence_parallel_tps(loaded, cluster=cluster, max_tp=8) == frozenset()
+    plan = plan_model("gpt2", cluster, global_batch=8, fix={"tp": 2})
+    assert plan.degrees.tp == 2 and not plan.sequence_parallel

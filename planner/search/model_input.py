@@ -56,6 +56,25 @@ def load(model: Any, *, seq: int | None, global_batch: int) -> LoadedModel:
                        module_groups=groups)
 
 
+def sequence_parallel_tps(loaded: LoadedModel, *, cluster: Any, max_tp: int) -> frozenset[int] | None:
+    """The power-of-two tp degrees (2..max_tp) at which every distinct transformer block has an executable
+    sequence-parallel sharding, asked of P1's per-block ILP; None when the model carries no traced blocks."""
+    if not loaded.blocks or loaded.graph is None:
+        return None
+    from planner.search.block_plan import StrategyCache, sequence_parallel_ok
+
+    cache = StrategyCache()
+    distinct = {b.signature: b for b in loaded.blocks if getattr(b, "kind", "") == "transformer"}
+    ok = set()
+    tp = 2
+    while tp <= max_tp:
+        if all(sequence_parallel_ok(b, graph=loaded.graph, tp=tp, cluster=cluster, seq=loaded.workload.seq,
+                                    cache=cache) for b in distinct.values()):
+            ok.add(tp)
+        tp *= 2
+    return frozenset(ok)
+
+
 def shardings_for(loaded: LoadedModel, best: Any, *, cluster: Any) -> tuple[tuple[ModuleSharding, ...], dict]:
     """Per-module sharding of the chosen configuration: P1's per-block ILP, solved once per distinct block
     (``block_plan.block_strategy`` memoizes on the block signature) and expanded to every member's FQNs."""

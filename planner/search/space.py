@@ -72,6 +72,10 @@ class SearchOptions:
     """Fraction of device memory a plan may use (the cost model's ``fits``); 1.0 = the cost model's own."""
     exhaustive_knobs: bool = False
     """Evaluate every knob combination instead of the dominance ladder (for tests)."""
+    sequence_parallel_tps: frozenset[int] | None = None
+    """The tp degrees at which the model's blocks have an executable sequence-parallel sharding (None: all).
+    ``plan_model`` fills it from the traced blocks: MoE routers / experts and GPT-2's Conv1D layers, for
+    example, cannot take sequence-sharded input in the runtime."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, order=True)
@@ -287,8 +291,10 @@ def knob_choices(structure: Structure, *, options: SearchOptions, fix: Mapping[s
         zeros = [0]  # ZeRO shards over the dp x cp ranks: with one there is nothing to shard
     if "sequence_parallel" in fix:
         sps = [fix["sequence_parallel"]] if (structure.tp > 1 or not fix["sequence_parallel"]) else []
-    elif structure.tp > 1:
+    elif structure.tp > 1 and (options.sequence_parallel_tps is None or structure.tp in options.sequence_parallel_tps):
         sps = [True, False]
+    elif structure.tp > 1:
+        sps = [False]
     else:
         sps = [False]
     return [Knobs(recompute=r, zero_stage=z, sequence_parallel=s) for r in rec for z in zeros for s in sps]
