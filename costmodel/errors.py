@@ -16,7 +16,14 @@ class ProfileError(AutoparError):
 
 
 class InfeasiblePlanError(AutoparError):
-    """No plan (or the requested configuration) fits the cluster; the message says what would."""
+    """No plan (or the requested configuration) fits the cluster; the message says what would.
+
+    ``memory_gb_needed`` is the memory per device the leanest candidate needs, when it is known.
+    """
+
+    def __init__(self, message: str, *, memory_gb_needed: float | None = None) -> None:
+        super().__init__(message)
+        self.memory_gb_needed = memory_gb_needed
 
 
 class UnsupportedModelError(AutoparError):

@@ -25,7 +25,6 @@ import logging
 import math
 import multiprocessing
 import os
-import re
 import signal
 import time
 from dataclasses import dataclass, field
@@ -333,17 +332,10 @@ def plan_case(*, model: Any, cluster: Any, global_batch: int, seq: int | None = 
     return Outcome(status=STATUS_OK, plan=plan, plan_time_s=dt)
 
 
-_NEED_RE = re.compile(r"needs ([0-9.]+) GB per device")
-
-
 def _needed_memory_gb(e: InfeasiblePlanError) -> float:
-    """The memory per device the leanest candidate needs, as the planner reports it."""
-    v = getattr(e, "memory_gb_needed", None)
-    if isinstance(v, (int, float)):
-        return float(v)
-    # The planner's message says "the leanest needs X GB per device" (planner/search/driver.py).
-    m = _NEED_RE.search(str(e))
-    return float(m.group(1)) if m else math.nan
+    """The memory per device the leanest candidate needs, as the planner reports it (NaN if unknown)."""
+    v = e.memory_gb_needed
+    return float(v) if v is not None else math.nan
 
 
 def _worker_init() -> None:

@@ -92,7 +92,8 @@ def standin_plan(model, cluster, *, global_batch: int, seq=None, time_limit_s=No
 
     n = cluster.num_devices
     if n < 8:
-        raise InfeasiblePlanError(f"{model} does not fit on {n} devices: the leanest needs {640 / n:.1f} GB per device")
+        raise InfeasiblePlanError(f"{model} does not fit on {n} devices: the leanest needs at least {640 / n:.1f} GB per device",
+                                  memory_gb_needed=640 / n)
     tp = min(8, cluster.gpus_per_node)
     dp = n // tp
     node = cluster.groups[0].node

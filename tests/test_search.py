@@ -300,3 +300,14 @@ def test_sequence_parallel_only_where_the_blocks_can_execute_it():
     assert model_input.sequence_parallel_tps(loaded, cluster=cluster, max_tp=8) == frozenset()
     plan = plan_model("gpt2", cluster, global_batch=8, fix={"tp": 2})
     assert plan.degrees.tp == 2 and not plan.sequence_parallel
+
+
+def test_infeasible_error_carries_the_memory_needed():
+    from costmodel.errors import InfeasiblePlanError
+    from costmodel.profiles import make_cluster
+    from planner.search.driver import plan_model
+
+    with pytest.raises(InfeasiblePlanError, match="needs at least") as info:
+        plan_model("gpt3-175b", make_cluster("dgx-a100-80gb", 1, gpus_per_node=1), global_batch=8)
+    assert info.value.memory_gb_needed > 80
+    assert f"{info.value.memory_gb_needed:.1f} GB per device" in str(info.value)

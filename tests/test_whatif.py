@@ -102,7 +102,7 @@ def test_infeasible_rows_stay_with_needed_memory():
     t = run_whatif("m", cases, global_batch=64, plan_fn=standin_plan).table
     bad = t[t["cluster"] == "h100 1x4 nvlink"].iloc[0]
     assert bad["status"] == "infeasible"
-    assert bad["memory_gb_needed"] == pytest.approx(160.0)  # from the planner's message, 640 GB / 4 devices
+    assert bad["memory_gb_needed"] == pytest.approx(160.0)  # the error's memory_gb_needed, 640 GB / 4 devices
     assert math.isnan(bad["step_time_s"])
     assert (t["status"] == "ok").sum() == 1
 

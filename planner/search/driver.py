@@ -426,14 +426,15 @@ def _infeasible_error(ctx: _Ctx, workload: Any, cluster: Any) -> InfeasiblePlanE
             + (f" with --fix {ctx.fix}: relax --fix" if ctx.fix else "")
         )
     more = int(math.ceil(n * need / have)) if have > 0 else 0
-    tried = "ZeRO-3, full recompute, sequence parallel and micro-batch 1 included" if not ctx.fix else \
+    tried = "ZeRO-3, full recompute, sequence parallel where executable and micro-batch 1 included" if not ctx.fix else \
         f"within --fix {ctx.fix}"
     return InfeasiblePlanError(
         f"{workload.name} ({workload.params / 1e9:.1f}B parameters) fits in no configuration on {n} x "
         f"{have:.0f} GB devices ({tried}): the leanest needs at least {need:.1f} GB per device. To fit: "
         f"roughly {more} or more devices (model states shard over ZeRO-3's data-parallel ranks), devices with "
         f">= {math.ceil(need)} GB, a shorter sequence or a smaller micro-batch"
-        + ("; or relax --fix" if ctx.fix else "")
+        + ("; or relax --fix" if ctx.fix else ""),
+        memory_gb_needed=float(need),
     )
 
 
