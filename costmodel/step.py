@@ -121,6 +121,28 @@ class _ById:
         return isinstance(other, _ById) and other.obj is self.obj
 
 
+@dataclass(frozen=True, slots=True)
+class _CtxKey:
+    """What a ``LayerCtx`` is made of, hashable (workload and cluster by identity): a memo key."""
+
+    workload: _ById
+    cluster: _ById
+    microbatch: int
+    tp: int
+    cp: int
+    ep: int
+    sp: bool
+    recompute: str
+    flash: bool
+    constants: StepConstants
+
+    def ctx(self) -> LayerCtx:
+        cluster = self.cluster.obj
+        return LayerCtx(workload=self.workload.obj, device=_device(cluster), cluster=cluster,
+                        microbatch=self.microbatch, tp=self.tp, cp=self.cp, ep=self.ep, sp=self.sp,
+                        recompute=self.recompute, flash=self.flash, constants=self.constants)
+
+
 @functools.lru_cache(maxsize=256)
 def _structure_cached(layers: _ById, stage_layers: tuple[int, ...]) -> tuple[tuple, np.ndarray]:
     index: dict[tuple, int] = {}
@@ -156,9 +178,11 @@ def even_stage_layers(workload: Workload, chunks: int) -> tuple[int, ...]:
     return _even_cached(_ById(workload.layers), int(chunks))
 
 
-def _chunk_arrays(uniques: list, counts: np.ndarray, ctx: LayerCtx) -> dict[str, np.ndarray]:
-    """Per chunk: fwd, bwd, wgrad, recompute seconds and exposed comm seconds per link kind (cf:/cb:)."""
-    rows = [layer_time(ctx, layer) for layer in uniques]
+@functools.lru_cache(maxsize=4096)
+def _layer_columns(uniques: _ById, ctx_key: _CtxKey) -> tuple[tuple[str, ...], np.ndarray]:
+    """Column names and the (columns, distinct layers) seconds table of one layer context (pure: memoized)."""
+    ctx = ctx_key.ctx()
+    rows = [layer_time(ctx, layer) for layer in uniques.obj]
     kinds = sorted({k for r in rows for d in (r.comm_fwd, r.comm_bwd, r.comm_recompute) for k in d})
     cols = {
         "fwd": [r.fwd_s for r in rows], "bwd": [r.bwd_s for r in rows],
@@ -167,25 +191,52 @@ def _chunk_arrays(uniques: list, counts: np.ndarray, ctx: LayerCtx) -> dict[str,
     for k in kinds:
         cols[f"cf:{k}"] = [r.comm_fwd.get(k, 0.0) for r in rows]
         cols[f"cb:{k}"] = [r.comm_bwd.get(k, 0.0) + r.comm_recompute.get(k, 0.0) for r in rows]
-    names = list(cols)
-    table = counts @ np.array([cols[n] for n in names]).T  # (chunks, columns)
+    names = tuple(cols)
+    table = np.array([cols[n] for n in names])
+    table.setflags(write=False)
+    return names, table
+
+
+@functools.lru_cache(maxsize=4096)
+def _chunk_cached(ctx_key: _CtxKey, stage_layers: tuple[int, ...]) -> dict[str, np.ndarray]:
+    uniques, counts = _structure(ctx_key.workload.obj, stage_layers)
+    names, cols = _layer_columns(_ById(uniques), ctx_key)
+    table = counts @ cols.T  # (chunks, columns)
+    table.setflags(write=False)
     return {n: table[:, i] for i, n in enumerate(names)}
 
 
-def _p2p_s(workload: Workload, cfg: ParallelConfig, cluster: Cluster) -> tuple[str, float]:
-    if cfg.pp == 1:
+def _chunk_arrays(ctx_key: _CtxKey, stage_layers: tuple[int, ...]) -> dict[str, np.ndarray]:
+    """Per chunk: fwd, bwd, wgrad, recompute seconds and exposed comm seconds per link kind (cf:/cb:).
+
+    Read-only arrays, memoized per layer context and cut (the planner prices one context many times)."""
+    return _chunk_cached(ctx_key, stage_layers)
+
+
+def _p2p_s(workload: Workload, cluster: Cluster, *, pp: int, mb: int, tp: int, cp: int, dp: int) -> tuple[str, float]:
+    if pp == 1:
         return "", 0.0
-    nbytes = cfg.microbatch * workload.seq / cfg.cp * workload.hidden * workload.dtype_bytes / cfg.tp
-    cc = collective_time_s("send_recv", nbytes, Group(size=2, stride=cfg.tp * cfg.cp * cfg.dp), cluster)
+    nbytes = mb * workload.seq / cp * workload.hidden * workload.dtype_bytes / tp
+    cc = collective_time_s("send_recv", nbytes, Group(size=2, stride=tp * cp * dp), cluster)
     return cc.link_kind, cc.time_s
 
 
-def _rank_params(uniques: list, counts: np.ndarray, cfg: ParallelConfig) -> tuple[np.ndarray, np.ndarray]:
-    """(dense, expert) parameters each pipeline rank holds (sharded over tp, experts also over ep)."""
-    dense = counts @ np.array([(l.params - l.expert_params) / cfg.tp for l in uniques])
-    expert = counts @ np.array([l.expert_params / (cfg.tp * cfg.ep) for l in uniques])
-    v = counts.shape[0] // cfg.pp
-    return dense.reshape(v, cfg.pp).sum(axis=0), expert.reshape(v, cfg.pp).sum(axis=0)
+@functools.lru_cache(maxsize=4096)
+def _rank_params_cached(layers: _ById, stage_layers: tuple[int, ...], tp: int, ep: int,
+                        pp: int) -> tuple[np.ndarray, np.ndarray]:
+    uniques, counts = _structure_cached(layers, stage_layers)
+    dense = counts @ np.array([(l.params - l.expert_params) / tp for l in uniques])
+    expert = counts @ np.array([l.expert_params / (tp * ep) for l in uniques])
+    v = counts.shape[0] // pp
+    out = dense.reshape(v, pp).sum(axis=0), expert.reshape(v, pp).sum(axis=0)
+    for a in out:
+        a.setflags(write=False)
+    return out
+
+
+def _rank_params(workload: Workload, stage_layers: tuple[int, ...], cfg: ParallelConfig) -> tuple[np.ndarray, np.ndarray]:
+    """(dense, expert) parameters each pipeline rank holds (sharded over tp, experts also over ep); read-only."""
+    return _rank_params_cached(_ById(workload.layers), tuple(stage_layers), cfg.tp, cfg.ep, cfg.pp)
 
 
 def _flat_nic_time_s(op: str, nbytes: float, n: int, cluster: Cluster, eff: CommEfficiency) -> tuple[str, float]:
@@ -206,24 +257,24 @@ def _dp_collective(op: str, nbytes: float, group: Group, cluster: Cluster, *, fl
     return cc.link_kind, cc.time_s
 
 
-def _dp_comm(workload: Workload, cfg: ParallelConfig, cluster: Cluster, dense: float, expert: float,
-             m: int, k: StepConstants) -> tuple[str, float]:
-    """Seconds of data-parallel traffic per step for one pipeline rank, and its link kind."""
-    wb = workload.dtype_bytes
-    groups = ((dense, Group(size=cfg.dp * cfg.cp, stride=cfg.tp)),
-              (expert, Group(size=max(1, cfg.dp // cfg.ep) * cfg.cp, stride=cfg.tp * cfg.ep)))
+@functools.lru_cache(maxsize=16384)
+def _dp_comm(wb: int, cluster: _ById, dense: float, expert: float, m: int, k: StepConstants, *, dp: int, cp: int,
+             tp: int, ep: int, zero_stage: int, recompute: str) -> tuple[str, float]:
+    """Seconds of data-parallel traffic per step for one pipeline rank, and its link kind (pure: memoized)."""
+    groups = ((dense, Group(size=dp * cp, stride=tp)),
+              (expert, Group(size=max(1, dp // ep) * cp, stride=tp * ep)))
     total, kind, largest = 0.0, "", 0.0
     for params, g in groups:
         nbytes = params * wb
-        if cfg.zero_stage == 0:
+        if zero_stage == 0:
             parts = [("all_reduce", 1)]
-        elif cfg.zero_stage in (1, 2):
+        elif zero_stage in (1, 2):
             parts = [("reduce_scatter", 1), ("all_gather", 1)]
         else:
-            gathers = 2 + (1 if cfg.recompute == "full" and k.zero3_passes_recompute else 0)
+            gathers = 2 + (1 if recompute == "full" and k.zero3_passes_recompute else 0)
             parts = [("all_gather", gathers * m), ("reduce_scatter", m)]
         for op, times in parts:
-            lk, t = _dp_collective(op, nbytes, g, cluster, flat=cfg.zero_stage == 3 and k.zero3_flat_nic)
+            lk, t = _dp_collective(op, nbytes, g, cluster.obj, flat=zero_stage == 3 and k.zero3_flat_nic)
             if t * times > largest:  # the link kind of the largest contribution names the traffic
                 kind, largest = lk, t * times
             total += t * times
@@ -234,33 +285,39 @@ def _exposed(comm_s: float, window_s: float, k: StepConstants) -> float:
     return max(0.0, comm_s - window_s) + k.overlap_slowdown * min(comm_s, window_s)
 
 
-def _pipeline(workload: Workload, cfg: ParallelConfig, cluster: Cluster, ch: dict[str, np.ndarray],
-              m: int) -> dict:
-    """Per-chunk F / B / W seconds, the pipeline time and the busiest rank's split of its work."""
-    pp, v = cfg.pp, cfg.virtual_stages
+@functools.lru_cache(maxsize=4096)
+def _pipeline(ctx_key: _CtxKey, stage_layers: tuple[int, ...], *, schedule: str, pp: int, v: int, m: int,
+              dp: int) -> dict:
+    """Per-chunk F / B / W seconds, the pipeline time and the busiest rank's split of its work.
+
+    Memoized (pure); callers copy ``parts`` before changing it and never write to the arrays."""
+    workload, cluster = ctx_key.workload.obj, ctx_key.cluster.obj
+    ch = _chunk_arrays(ctx_key, stage_layers)
     kinds = sorted({key[3:] for key in ch if key.startswith(("cf:", "cb:"))})
     comm_f = {kd: ch.get(f"cf:{kd}", np.zeros(pp * v)) for kd in kinds}
     comm_b = {kd: ch.get(f"cb:{kd}", np.zeros(pp * v)) for kd in kinds}
     tf = ch["fwd"] + sum(comm_f.values(), np.zeros(pp * v))
     tb = ch["bwd"] + ch["rec"] + sum(comm_b.values(), np.zeros(pp * v))
     tw = np.zeros(pp * v)
-    if cfg.schedule == "zero-bubble":
+    if schedule == "zero-bubble":
         tw = ch["wgrad"]
         tb = tb - tw
-    p2p_kind, p2p = _p2p_s(workload, cfg, cluster)
-    total = pl._closed_form_s(cfg.schedule, pp=pp, m=m, v=v, tf=tf, tb=tb, tw=tw, p2p_s=p2p)
+    p2p_kind, p2p = _p2p_s(workload, cluster, pp=pp, mb=ctx_key.microbatch, tp=ctx_key.tp, cp=ctx_key.cp, dp=dp)
+    total = pl._closed_form_s(schedule, pp=pp, m=m, v=v, tf=tf, tb=tb, tw=tw, p2p_s=p2p)
     per_rank = (tf + tb + tw).reshape(v, pp).sum(axis=0)
     r = int(np.argmax(per_rank))
     on_rank = lambda a: float(a.reshape(v, pp)[:, r].sum())  # noqa: E731
     parts = {"compute": m * on_rank(ch["fwd"] + ch["bwd"] + ch["rec"])}
     for kd in kinds:
         parts[f"comm_{kd}"] = m * on_rank(comm_f[kd] + comm_b[kd])
-    no_p2p = pl._closed_form_s(cfg.schedule, pp=pp, m=m, v=v, tf=tf, tb=tb, tw=tw, p2p_s=0.0)
+    no_p2p = pl._closed_form_s(schedule, pp=pp, m=m, v=v, tf=tf, tb=tb, tw=tw, p2p_s=0.0)
     parts["bubble"] = no_p2p - m * float(per_rank[r])
     if p2p_kind:
         parts[f"comm_{p2p_kind}"] = parts.get(f"comm_{p2p_kind}", 0.0) + total - no_p2p
-    return {"total_s": total, "per_rank_s": per_rank, "parts": parts, "p2p_kind": p2p_kind,
-            "bwd_rank_s": (tb + tw).reshape(v, pp).sum(axis=0)}
+    bwd_rank = (tb + tw).reshape(v, pp).sum(axis=0)
+    per_rank.setflags(write=False)
+    bwd_rank.setflags(write=False)
+    return {"total_s": total, "per_rank_s": per_rank, "parts": parts, "p2p_kind": p2p_kind, "bwd_rank_s": bwd_rank}
 
 
 def _data_parallel(workload: Workload, cfg: ParallelConfig, cluster: Cluster, dense: np.ndarray,
@@ -268,17 +325,19 @@ def _data_parallel(workload: Workload, cfg: ParallelConfig, cluster: Cluster, de
     """Exposed dp seconds and optimizer seconds: the slowest pipeline rank of each."""
     memo: dict[tuple[float, float], tuple[str, float]] = {}
     exposed, kind = 0.0, ""
+    dense_l, expert_l, bwd_l = dense.tolist(), expert.tolist(), pipe["bwd_rank_s"].tolist()
     for r in range(cfg.pp):
-        key = (float(dense[r]), float(expert[r]))
+        key = (dense_l[r], expert_l[r])
         if key not in memo:
-            memo[key] = _dp_comm(workload, cfg, cluster, key[0], key[1], m, k)
+            memo[key] = _dp_comm(workload.dtype_bytes, _ById(cluster), key[0], key[1], m, k, dp=cfg.dp, cp=cfg.cp,
+                                 tp=cfg.tp, ep=cfg.ep, zero_stage=cfg.zero_stage, recompute=cfg.recompute)
         lk, t = memo[key]
         if not cfg.overlap_grad_reduce:
             window = 0.0
         elif cfg.zero_stage == 3:
             window = pipe["total_s"]
         else:
-            window = float(pipe["bwd_rank_s"][r])
+            window = bwd_l[r]
         e = _exposed(t, window, k)
         if window > 0 and cfg.zero_stage < 3:  # the last bucket starts when the backward ends
             grad_bytes = (key[0] + key[1]) * workload.dtype_bytes
@@ -291,6 +350,22 @@ def _data_parallel(workload: Workload, cfg: ParallelConfig, cluster: Cluster, de
     opt = op_time_s(flops=0.0, bytes_moved=float(shard.max()) * k.optimizer_bytes_per_param,
                     op_class="elementwise", device=device, calibration=cluster.calibration)
     return {"exposed_s": exposed, "kind": kind, "optimizer_s": opt}
+
+
+@functools.lru_cache(maxsize=4096)
+def _transformer_layers(uniques: _ById, counts: _ById, v: int, pp: int) -> tuple[np.ndarray, int]:
+    """Transformer layers per pipeline rank (read-only) and the largest transformer layer's parameters."""
+    is_tr = np.array([1.0 if l.kind == "transformer" else 0.0 for l in uniques.obj])
+    tr_per_rank = (counts.obj @ is_tr).reshape(v, pp).sum(axis=0)
+    tr_per_rank.setflags(write=False)
+    return tr_per_rank, max((l.params for l in uniques.obj if l.kind == "transformer"), default=0)
+
+
+@functools.lru_cache(maxsize=4096)
+def _inflight(schedule: str, pp: int, m: int, v: int) -> np.ndarray:
+    out = pl.inflight_array(schedule, pp=pp, num_microbatches=m, virtual_stages=v)
+    out.setflags(write=False)
+    return out
 
 
 def _memory(workload: Workload, cfg: ParallelConfig, uniques: list, counts: np.ndarray, dense: np.ndarray,
@@ -306,9 +381,8 @@ def _memory(workload: Workload, cfg: ParallelConfig, uniques: list, counts: np.n
         working = mem.full_layer_activation_bytes(**dims)
     elif cfg.recompute == "selective" and not cfg.flash_attention:
         working = 5.0 * w.heads * w.seq * w.seq * b / (cfg.tp * cfg.cp * cfg.cp)
-    is_tr = np.array([1.0 if l.kind == "transformer" else 0.0 for l in uniques])
-    tr_per_rank = (counts @ is_tr).reshape(v, pp).sum(axis=0)
-    inflight = pl.inflight_array(cfg.schedule, pp=pp, num_microbatches=m, virtual_stages=v)
+    tr_per_rank, max_tr_params = _transformer_layers(_ById(uniques), _ById(counts), v, pp)
+    inflight = _inflight(cfg.schedule, pp, m, v)
     terms = mem.model_state_bytes(params=dense, zero_stage=cfg.zero_stage, dp=cfg.dp * cfg.cp, constants=mc)
     if expert.any():
         ex = mem.model_state_bytes(params=expert, zero_stage=cfg.zero_stage,
@@ -321,7 +395,7 @@ def _memory(workload: Workload, cfg: ParallelConfig, uniques: list, counts: np.n
     terms["logits"] = logits
     buffers = mc.bucket_bytes + (2.0 * tokens * w.hidden * w.dtype_bytes if cfg.tp > 1 else 0.0)
     if cfg.zero_stage == 3:  # two layers' gathered parameters (prefetch)
-        max_layer = max((l.params for l in uniques if l.kind == "transformer"), default=0) / cfg.tp
+        max_layer = max_tr_params / cfg.tp
         buffers += 2.0 * max_layer * mc.weight_bytes
     terms["comm_buffers"] = np.full(pp, buffers)
     subtotal = sum(terms.values())
@@ -329,18 +403,25 @@ def _memory(workload: Workload, cfg: ParallelConfig, uniques: list, counts: np.n
     return terms, subtotal + terms["allocator_reserve"]
 
 
-def _flops(cfg: ParallelConfig, uniques: tuple, counts: np.ndarray) -> tuple[float, float]:
-    """(model, hardware) FLOPs of one step: 6N + attention, plus what recomputation re-runs."""
+def _flops(workload: Workload, stage_layers: tuple[int, ...], cfg: ParallelConfig) -> tuple[float, float]:
+    """(model, hardware) FLOPs of one step: 6N + attention, plus what recomputation re-runs (memoized)."""
+    return _flops_cached(_ById(workload.layers), stage_layers, cfg.recompute, cfg.global_batch)
+
+
+@functools.lru_cache(maxsize=4096)
+def _flops_cached(layers: _ById, stage_layers: tuple[int, ...], recompute: str,
+                  global_batch: int) -> tuple[float, float]:
+    uniques, counts = _structure_cached(layers, stage_layers)
     n = counts.sum(axis=0)  # entries of each distinct layer
-    model = cfg.global_batch * float(n @ np.array([l.flops_fwd + l.flops_bwd for l in uniques]))
+    model = global_batch * float(n @ np.array([l.flops_fwd + l.flops_bwd for l in uniques]))
     tr = np.array([l.kind == "transformer" for l in uniques], dtype=float) * n
-    if cfg.recompute == "full":
+    if recompute == "full":
         extra = float(tr @ np.array([l.flops_fwd for l in uniques]))
-    elif cfg.recompute == "selective":
+    elif recompute == "selective":
         extra = float(tr @ np.array([l.attn_flops_fwd for l in uniques]))
     else:
         extra = 0.0
-    return model, model + cfg.global_batch * extra
+    return model, model + global_batch * extra
 
 
 def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_layers: tuple[int, ...] | None,
@@ -353,13 +434,12 @@ def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_l
         stage_layers = tuple(int(x) for x in stage_layers)
         check_stage_layers(stage_layers, workload, chunks)
     device = _device(cluster)
-    ctx = LayerCtx(workload=workload, device=device, cluster=cluster, microbatch=cfg.microbatch, tp=cfg.tp,
-                   cp=cfg.cp, ep=cfg.ep, sp=cfg.sequence_parallel and cfg.tp > 1, recompute=cfg.recompute,
-                   flash=cfg.flash_attention, constants=k)
+    ctx_key = _CtxKey(workload=_ById(workload), cluster=_ById(cluster), microbatch=cfg.microbatch, tp=cfg.tp,
+                      cp=cfg.cp, ep=cfg.ep, sp=cfg.sequence_parallel and cfg.tp > 1, recompute=cfg.recompute,
+                      flash=cfg.flash_attention, constants=k)
     uniques, counts = _structure(workload, stage_layers)
-    ch = _chunk_arrays(uniques, counts, ctx)
-    pipe = _pipeline(workload, cfg, cluster, ch, m)
-    dense, expert = _rank_params(uniques, counts, cfg)
+    pipe = _pipeline(ctx_key, stage_layers, schedule=cfg.schedule, pp=cfg.pp, v=cfg.virtual_stages, m=m, dp=cfg.dp)
+    dense, expert = _rank_params(workload, stage_layers, cfg)
     dp = _data_parallel(workload, cfg, cluster, dense, expert, pipe, m, k, device)
     breakdown = dict(pipe["parts"])
     if dp["exposed_s"] > 0:
@@ -371,7 +451,7 @@ def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_l
     worst = int(np.argmax(totals))
     worst_mem = mem.MemoryEstimate(terms={key: float(val[worst]) for key, val in terms.items()})
     limit_gb = min(g.node.gpu.memory_bytes for g in cluster.groups) / mem.GB
-    model_f, hw_f = _flops(cfg, uniques, counts)
+    model_f, hw_f = _flops(workload, stage_layers, cfg)
     n = cluster.num_devices
     return StepEstimate(
         step_time_s=step_s,
@@ -384,8 +464,8 @@ def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_l
         breakdown_s=breakdown,
         memory_breakdown_gb=worst_mem.terms_gb(),
         bottleneck=max(breakdown, key=breakdown.__getitem__),
-        stage_time_s=tuple(float(x) for x in pipe["per_rank_s"]),
-        stage_memory_gb=tuple(float(x) / mem.GB for x in totals),
+        stage_time_s=tuple(pipe["per_rank_s"].tolist()),
+        stage_memory_gb=tuple(x / mem.GB for x in totals.tolist()),
         config=cfg,
         num_microbatches=m,
         stage_layers=stage_layers,
