@@ -293,13 +293,21 @@ def pipeline_time_s(
 def _closed_form_s(
     schedule: str, *, pp: int, m: int, v: int, tf: np.ndarray, tb: np.ndarray, tw: np.ndarray, p2p_s: float
 ) -> float:
+    base_s, hops = _closed_form_terms(schedule, pp=pp, m=m, v=v, tf=tf, tb=tb, tw=tw)
+    return base_s + hops * p2p_s
+
+
+def _closed_form_terms(
+    schedule: str, *, pp: int, m: int, v: int, tf: np.ndarray, tb: np.ndarray, tw: np.ndarray
+) -> tuple[float, float]:
+    """The closed form as ``(time without p2p, p2p hops)``: the time is ``base + hops * p2p_s``."""
     if schedule == "zero-bubble":
         per_rank = (tf + tb + tw).reshape(v, pp).sum(axis=0)  # (pp,) one micro-batch through a rank's chunks
         f, b, w = (x.reshape(v, pp).max(axis=0)[:-1] for x in (tf, tb, tw))
         # per hop the W fills the bubble down to F + B - W, but never below one F or one B
         bubble = float(np.maximum(f + b - w, np.maximum(f, b)).sum())
         hops = 2 * (pp * v - 1) + 2 * (pp - 1) / v
-        return m * float(per_rank.max()) + bubble + hops * p2p_s
+        return m * float(per_rank.max()) + bubble, hops
     t = (tf + tb + tw).reshape(v, pp)  # (v, pp): full fwd+bwd of a micro-batch per chunk
     per_rank = t.sum(axis=0)  # (pp,)
     if v == 1:
@@ -307,12 +315,12 @@ def _closed_form_s(
         work = float(per_rank.sum() + (m - 1) * per_rank.max())
         if schedule == "1f1b":
             # 1F1B keeps exactly p micro-batches in flight: each round trip of p micro-batches waits 2(p-1) hops
-            return work + 2 * (pp - 1) * (m + pp - 1) / pp * p2p_s
-        return work + 2 * (pp * v - 1) * p2p_s
+            return work, 2 * (pp - 1) * (m + pp - 1) / pp
+        return work, 2 * (pp * v - 1)
     # interleaved: the steady state is paced by the busiest rank, fill/drain by one chunk per hop;
     # the warm-up leaves slack, so only the fill and drain through all p*v chunks pay the p2p
     chunk_max = t.max(axis=0)  # (pp,)
-    return float(m * per_rank.max() + chunk_max[:-1].sum()) + 2 * (pp * v - 1) * p2p_s
+    return float(m * per_rank.max() + chunk_max[:-1].sum()), 2 * (pp * v - 1)
 
 
 def bubble_fraction(
