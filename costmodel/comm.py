@@ -33,6 +33,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from costmodel.memo import ByIdentity
 from costmodel.errors import ConfigError
 from costmodel.hardware import Cluster, NodeType
 
@@ -300,7 +301,7 @@ def collective_time_s(
     """Predicted time of ``op`` on ``nbytes`` (NCCL convention, see module doc) for ``group`` on ``cluster``.
 
     Memoized (a pure function of its arguments; the cluster, immutable, by identity)."""
-    key = (op, nbytes, type(nbytes), group.size, group.stride, first_rank, _ByIdentity(cluster), efficiency)
+    key = (op, nbytes, type(nbytes), group.size, group.stride, first_rank, ByIdentity(cluster), efficiency)
     try:
         hash(key)
     except TypeError:  # an unhashable argument: price it unmemoized (the checks name a bad value)
@@ -308,24 +309,10 @@ def collective_time_s(
     return _collective_cached(*key)
 
 
-class _ByIdentity:
-    """Hash an immutable object by identity (the memo keeps it alive, so its id stays unique)."""
-
-    __slots__ = ("obj",)
-
-    def __init__(self, obj: object) -> None:
-        self.obj = obj
-
-    def __hash__(self) -> int:
-        return id(self.obj)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _ByIdentity) and other.obj is self.obj
-
 
 @functools.lru_cache(maxsize=16384)
 def _collective_cached(op: str, nbytes: float, nbytes_type: type, size: int, stride: int, first_rank: int,
-                       cluster: _ByIdentity, efficiency: CommEfficiency | None) -> CommCost:
+                       cluster: ByIdentity, efficiency: CommEfficiency | None) -> CommCost:
     """``nbytes_type`` keeps 4 and 4.0 (equal keys) apart, so the cost's numbers keep the caller's types."""
     return _collective_time_s(op, nbytes, Group(size=size, stride=stride), cluster.obj, first_rank=first_rank,
                               efficiency=efficiency)

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from costmodel.memo import ByIdentity
 from costmodel import memory as mem
 from costmodel import pipeline as pl
 from costmodel.comm import CommEfficiency, DEFAULT_EFFICIENCY, Group, collective_time_s, ring_terms
@@ -109,27 +110,13 @@ def _layer_key(layer) -> tuple:
             layer.expert_params)
 
 
-class _ById:
-    """Hash an immutable object by identity (the memo below keeps it alive, so its id stays unique)."""
-
-    __slots__ = ("obj",)
-
-    def __init__(self, obj: object) -> None:
-        self.obj = obj
-
-    def __hash__(self) -> int:
-        return id(self.obj)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _ById) and other.obj is self.obj
-
 
 @dataclass(frozen=True, slots=True)
 class _CtxKey:
     """What a ``LayerCtx`` is made of, hashable (workload and cluster by identity): a memo key."""
 
-    workload: _ById
-    cluster: _ById
+    workload: ByIdentity
+    cluster: ByIdentity
     microbatch: int
     tp: int
     cp: int
@@ -147,7 +134,7 @@ class _CtxKey:
 
 
 @functools.lru_cache(maxsize=256)
-def _structure_cached(layers: _ById, stage_layers: tuple[int, ...]) -> tuple[tuple, np.ndarray]:
+def _structure_cached(layers: ByIdentity, stage_layers: tuple[int, ...]) -> tuple[tuple, np.ndarray]:
     index: dict[tuple, int] = {}
     uniques, ids = [], []
     for layer in layers.obj:
@@ -167,22 +154,22 @@ def _structure(workload: Workload, stage_layers: tuple[int, ...]) -> tuple[tuple
     """Distinct layers and how many of each every chunk holds: (layers, counts (chunks, distinct)).
 
     Memoized per layer tuple (immutable) and cut: the planner prices one workload 10^4 times."""
-    return _structure_cached(_ById(workload.layers), tuple(stage_layers))
+    return _structure_cached(ByIdentity(workload.layers), tuple(stage_layers))
 
 
 @functools.lru_cache(maxsize=256)
-def _even_cached(layers: _ById, chunks: int) -> tuple[int, ...]:
+def _even_cached(layers: ByIdentity, chunks: int) -> tuple[int, ...]:
     return _even_stage_layers([layer.kind for layer in layers.obj], chunks)
 
 
 def even_stage_layers(workload: Workload, chunks: int) -> tuple[int, ...]:
     """Workload entries per chunk: transformer layers spread evenly (earlier chunks take the remainder), the
     entries before the first transformer layer on chunk 0, the others with the transformer layer before them."""
-    return _even_cached(_ById(workload.layers), int(chunks))
+    return _even_cached(ByIdentity(workload.layers), int(chunks))
 
 
 @functools.lru_cache(maxsize=4096)
-def _layer_columns(uniques: _ById, ctx_key: _CtxKey) -> tuple[tuple[str, ...], np.ndarray]:
+def _layer_columns(uniques: ByIdentity, ctx_key: _CtxKey) -> tuple[tuple[str, ...], np.ndarray]:
     """Column names and the (columns, distinct layers) seconds table of one layer context (pure: memoized)."""
     ctx = ctx_key.ctx()
     rows = [layer_time(ctx, layer) for layer in uniques.obj]
@@ -203,7 +190,7 @@ def _layer_columns(uniques: _ById, ctx_key: _CtxKey) -> tuple[tuple[str, ...], n
 @functools.lru_cache(maxsize=4096)
 def _chunk_cached(ctx_key: _CtxKey, stage_layers: tuple[int, ...]) -> dict[str, np.ndarray]:
     uniques, counts = _structure(ctx_key.workload.obj, stage_layers)
-    names, cols = _layer_columns(_ById(uniques), ctx_key)
+    names, cols = _layer_columns(ByIdentity(uniques), ctx_key)
     table = counts @ cols.T  # (chunks, columns)
     table.setflags(write=False)
     return {n: table[:, i] for i, n in enumerate(names)}
@@ -225,7 +212,7 @@ def _p2p_s(workload: Workload, cluster: Cluster, *, pp: int, mb: int, tp: int, c
 
 
 @functools.lru_cache(maxsize=4096)
-def _rank_params_cached(layers: _ById, stage_layers: tuple[int, ...], tp: int, ep: int,
+def _rank_params_cached(layers: ByIdentity, stage_layers: tuple[int, ...], tp: int, ep: int,
                         pp: int) -> tuple[np.ndarray, np.ndarray]:
     uniques, counts = _structure_cached(layers, stage_layers)
     dense = counts @ np.array([(l.params - l.expert_params) / tp for l in uniques])
@@ -239,7 +226,7 @@ def _rank_params_cached(layers: _ById, stage_layers: tuple[int, ...], tp: int, e
 
 def _rank_params(workload: Workload, stage_layers: tuple[int, ...], cfg: ParallelConfig) -> tuple[np.ndarray, np.ndarray]:
     """(dense, expert) parameters each pipeline rank holds (sharded over tp, experts also over ep); read-only."""
-    return _rank_params_cached(_ById(workload.layers), tuple(stage_layers), cfg.tp, cfg.ep, cfg.pp)
+    return _rank_params_cached(ByIdentity(workload.layers), tuple(stage_layers), cfg.tp, cfg.ep, cfg.pp)
 
 
 def _flat_nic_time_s(op: str, nbytes: float, n: int, cluster: Cluster, eff: CommEfficiency) -> tuple[str, float]:
@@ -261,7 +248,7 @@ def _dp_collective(op: str, nbytes: float, group: Group, cluster: Cluster, *, fl
 
 
 @functools.lru_cache(maxsize=16384)
-def _dp_comm(wb: int, cluster: _ById, dense: float, expert: float, m: int, k: StepConstants, *, dp: int, cp: int,
+def _dp_comm(wb: int, cluster: ByIdentity, dense: float, expert: float, m: int, k: StepConstants, *, dp: int, cp: int,
              tp: int, ep: int, zero_stage: int, recompute: str) -> tuple[str, float]:
     """Seconds of data-parallel traffic per step for one pipeline rank, and its link kind (pure: memoized)."""
     groups = ((dense, Group(size=dp * cp, stride=tp)),
@@ -345,7 +332,7 @@ def _data_parallel(workload: Workload, cfg: ParallelConfig, cluster: Cluster, de
     for r in range(cfg.pp):
         key = (dense_l[r], expert_l[r])
         if key not in memo:
-            memo[key] = _dp_comm(workload.dtype_bytes, _ById(cluster), key[0], key[1], m, k, dp=cfg.dp, cp=cfg.cp,
+            memo[key] = _dp_comm(workload.dtype_bytes, ByIdentity(cluster), key[0], key[1], m, k, dp=cfg.dp, cp=cfg.cp,
                                  tp=cfg.tp, ep=cfg.ep, zero_stage=cfg.zero_stage, recompute=cfg.recompute)
         lk, t = memo[key]
         if not cfg.overlap_grad_reduce:
@@ -369,7 +356,7 @@ def _data_parallel(workload: Workload, cfg: ParallelConfig, cluster: Cluster, de
 
 
 @functools.lru_cache(maxsize=4096)
-def _transformer_layers(uniques: _ById, counts: _ById, v: int, pp: int) -> tuple[np.ndarray, int]:
+def _transformer_layers(uniques: ByIdentity, counts: ByIdentity, v: int, pp: int) -> tuple[np.ndarray, int]:
     """Transformer layers per pipeline rank (read-only) and the largest transformer layer's parameters."""
     is_tr = np.array([1.0 if l.kind == "transformer" else 0.0 for l in uniques.obj])
     tr_per_rank = (counts.obj @ is_tr).reshape(v, pp).sum(axis=0)
@@ -397,7 +384,7 @@ def _memory(workload: Workload, cfg: ParallelConfig, uniques: list, counts: np.n
         working = mem.full_layer_activation_bytes(**dims)
     elif cfg.recompute == "selective" and not cfg.flash_attention:
         working = 5.0 * w.heads * w.seq * w.seq * b / (cfg.tp * cfg.cp * cfg.cp)
-    tr_per_rank, max_tr_params = _transformer_layers(_ById(uniques), _ById(counts), v, pp)
+    tr_per_rank, max_tr_params = _transformer_layers(ByIdentity(uniques), ByIdentity(counts), v, pp)
     inflight = _inflight(cfg.schedule, pp, m, v)
     terms = mem.model_state_bytes(params=dense, zero_stage=cfg.zero_stage, dp=cfg.dp * cfg.cp, constants=mc)
     if expert.any():
@@ -421,11 +408,11 @@ def _memory(workload: Workload, cfg: ParallelConfig, uniques: list, counts: np.n
 
 def _flops(workload: Workload, stage_layers: tuple[int, ...], cfg: ParallelConfig) -> tuple[float, float]:
     """(model, hardware) FLOPs of one step: 6N + attention, plus what recomputation re-runs (memoized)."""
-    return _flops_cached(_ById(workload.layers), stage_layers, cfg.recompute, cfg.global_batch)
+    return _flops_cached(ByIdentity(workload.layers), stage_layers, cfg.recompute, cfg.global_batch)
 
 
 @functools.lru_cache(maxsize=4096)
-def _flops_cached(layers: _ById, stage_layers: tuple[int, ...], recompute: str,
+def _flops_cached(layers: ByIdentity, stage_layers: tuple[int, ...], recompute: str,
                   global_batch: int) -> tuple[float, float]:
     uniques, counts = _structure_cached(layers, stage_layers)
     n = counts.sum(axis=0)  # entries of each distinct layer
@@ -450,7 +437,7 @@ def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_l
         stage_layers = tuple(int(x) for x in stage_layers)
         check_stage_layers(stage_layers, workload, chunks)
     device = _device(cluster)
-    ctx_key = _CtxKey(workload=_ById(workload), cluster=_ById(cluster), microbatch=cfg.microbatch, tp=cfg.tp,
+    ctx_key = _CtxKey(workload=ByIdentity(workload), cluster=ByIdentity(cluster), microbatch=cfg.microbatch, tp=cfg.tp,
                       cp=cfg.cp, ep=cfg.ep, sp=cfg.sequence_parallel and cfg.tp > 1, recompute=cfg.recompute,
                       flash=cfg.flash_attention, constants=k)
     uniques, counts = _structure(workload, stage_layers)
