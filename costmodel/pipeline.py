@@ -248,22 +248,8 @@ def simulate(
     return events
 
 
-def schedule_events(
-    schedule: str,
-    *,
-    pp: int,
-    num_microbatches: int,
-    virtual_stages: int = 1,
-    t_fwd_s: float | Sequence[float],
-    t_bwd_s: float | Sequence[float],
-    t_wgrad_s: float | Sequence[float] = 0.0,
-    p2p_s: float = 0.0,
-) -> list[Event]:
-    """The contract name for ``simulate``: events in the order torch.distributed.pipelining executes."""
-    return simulate(
-        schedule, pp=pp, num_microbatches=num_microbatches, virtual_stages=virtual_stages,
-        t_fwd_s=t_fwd_s, t_bwd_s=t_bwd_s, t_wgrad_s=t_wgrad_s, p2p_s=p2p_s,
-    )
+# The contract name: events in the order torch.distributed.pipelining executes them.
+schedule_events = simulate
 
 
 def simulated_time_s(events: Sequence[Event]) -> float:
