@@ -205,7 +205,9 @@ def apply_plan(
             "SDPA on CUDA); re-plan with cp=1"
         )
     if d.ep > 1:
-        raise ConfigError(f"plan has ep={d.ep}: expert parallel is not implemented in this runtime; re-plan with ep=1")
+        from runtime.expert_parallel import apply_expert_plan  # experts over ep, all-to-all dispatch
+
+        return apply_expert_plan(model, plan, loss_fn=loss_fn, seed=seed)
     mesh = mesh if mesh is not None else build_mesh(plan, device_type=info.device_type)
     device = torch.device("cuda", torch.cuda.current_device()) if info.device_type == "cuda" else torch.device("cpu")
     is_meta = any(p.is_meta for p in model.parameters())
