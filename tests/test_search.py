@@ -137,7 +137,8 @@ def test_search_is_deterministic():
     a, b = runs
     assert a.best.key() == b.best.key()
     assert [c.key() for c in a.alternatives] == [c.key() for c in b.alternatives]
-    assert len(a.alternatives) == 5 and all(c.step_time_s >= a.best.step_time_s for c in a.alternatives)
+    # The memory-tight toy needs ZeRO-3, which leaves 2 fitting runner-ups once zero-bubble runs without FSDP.
+    assert len(a.alternatives) == 2 and all(c.step_time_s >= a.best.step_time_s for c in a.alternatives)
 
 
 def test_space_rules():
@@ -311,3 +312,21 @@ def test_infeasible_error_carries_the_memory_needed():
         plan_model("gpt3-175b", make_cluster("dgx-a100-80gb", 1, gpus_per_node=1), global_batch=8)
     assert info.value.memory_gb_needed > 80
     assert f"{info.value.memory_gb_needed:.1f} GB per device" in str(info.value)
+
+
+def test_plans_stay_within_what_the_runtime_executes():
+    """Two combinations the runtime refuses: zero-bubble with FSDP (ZeRO > 0), and a tied embedding / LM head
+    split differently."""
+    from costmodel.profiles import resolve_cluster
+    from planner.search import space
+    from planner.search.driver import plan_model
+
+    zb = space.Structure(tp=1, cp=1, ep=1, pp=2, dp=2, microbatch=1, schedule="zero-bubble", virtual_stages=1,
+                         num_microbatches=4)
+    assert {k.zero_stage for k in space.knob_choices(zb, options=space.SearchOptions())} == {0}
+    plan = plan_model("gpt:layers=2,hidden=64,heads=4,vocab=128,seq=32", resolve_cluster("local", nodes=1, gpus_per_node=2),
+                      global_batch=4, fix={"tp": 2})
+    styles = {s.fqn: s.style for s in plan.shardings}
+    assert styles["lm_head"] == "vocab_head"
+    assert styles["model.decoder.embed_tokens"] == "vocab_embedding"
+    assert styles["model.decoder.embed_positions"] == "replicate"

@@ -96,5 +96,22 @@ def shardings_for(loaded: LoadedModel, best: Any, *, cluster: Any) -> tuple[tupl
         for m in strat.shardings:
             fqn = f"{prefix}.{m.fqn}" if prefix and m.fqn else (m.fqn or prefix)
             out.setdefault(fqn, m.style)
+    _tie_vocab_styles(out, loaded)
     shardings = tuple(ModuleSharding(fqn=f, style=style) for f, style in out.items())  # execution order
     return shardings, {"blocks": len(loaded.blocks), "distinct_solutions": len(solved)}
+
+
+def _tie_vocab_styles(styles: dict[str, str], loaded: LoadedModel) -> None:
+    """Tied input embedding and LM head share one weight, so they must be split alike: the embedding and head
+    blocks are solved separately, and may disagree. A vocabulary-parallel head makes the tied token embedding
+    vocabulary-parallel too (an all-reduce of its output); a replicated head keeps it replicated."""
+    if not loaded.workload.tied_embeddings or loaded.graph is None:
+        return
+    vocab = loaded.workload.vocab
+    token_embeddings = {
+        n.module_fqn for n in loaded.graph.nodes
+        if n.op_class == "embedding" and any(p[1] and p[1][0] == vocab for p in n.params)
+    }
+    head_sharded = any(style == "vocab_head" for style in styles.values())
+    for fqn in token_embeddings & styles.keys():
+        styles[fqn] = "vocab_embedding" if head_sharded else "replicate"

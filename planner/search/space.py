@@ -289,6 +289,8 @@ def knob_choices(structure: Structure, *, options: SearchOptions, fix: Mapping[s
     zeros = [fix["zero_stage"]] if "zero_stage" in fix else list(options.zero_stages)
     if "zero_stage" not in fix and structure.dp * structure.cp == 1 and not options.exhaustive_knobs:
         zeros = [0]  # ZeRO shards over the dp x cp ranks: with one there is nothing to shard
+    if "zero_stage" not in fix and structure.schedule == "zero-bubble":
+        zeros = [0]  # the runtime runs ZeRO 1-3 as FSDP2, which its zero-bubble pipeline refuses (runtime/pipeline.py)
     if "sequence_parallel" in fix:
         sps = [fix["sequence_parallel"]] if (structure.tp > 1 or not fix["sequence_parallel"]) else []
     elif structure.tp > 1 and (options.sequence_parallel_tps is None or structure.tp in options.sequence_parallel_tps):
