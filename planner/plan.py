@@ -117,6 +117,7 @@ class StagePlan:
     predicted_time_s: float = 0.0
     """Forward + backward time of one micro-batch through this chunk."""
     predicted_memory_gb: float = 0.0
+    """Memory of each device of the chunk's pipeline rank (all its chunks together: the same on each of them)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

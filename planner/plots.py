@@ -259,7 +259,7 @@ def _memory_bars(ax: Any, plan: Plan) -> None:
     pp = plan.degrees.pp
     mem = [0.0] * pp
     for st in plan.stages:
-        mem[st.pp_rank] += st.predicted_memory_gb
+        mem[st.pp_rank] = max(mem[st.pp_rank], st.predicted_memory_gb)  # per rank, repeated on each chunk
     ax.barh(range(pp), mem, color="#8172B2", height=0.6, label="predicted")
     cap = _device_memory_gb(plan)
     if cap is not None:

@@ -53,7 +53,7 @@ def make_plan(
             index=c, pp_rank=r, modules=tuple(mods),
             ranks=tuple(range(r * ranks_per_stage, (r + 1) * ranks_per_stage)), recompute=recompute, gpu=gpu,
             predicted_time_s=0.01 * n * (4 / 3 if recompute == "full" else 1.0),
-            predicted_memory_gb=memory_gb / virtual_stages * (1.0 - 0.05 * r),
+            predicted_memory_gb=memory_gb * (1.0 - 0.05 * r),
         ))
         start += n
     world = d.world_size
