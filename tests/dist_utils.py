@@ -114,13 +114,14 @@ def _run_once(
     fn: Callable[..., Any],
     *,
     world_size: int,
-    args: tuple = (),
-    kwargs: dict | None = None,
-    timeout_s: float = 120.0,
-    backend: str = "gloo",
-    init_process_group: bool = True,
-    env: dict[str, str] | None = None,
+    args: tuple,
+    kwargs: dict | None,
+    timeout_s: float,
+    backend: str,
+    init_process_group: bool,
+    env: dict[str, str] | None,
 ) -> list[Any]:
+    """One start of ``run_distributed`` (which owns the defaults and passes every argument)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     child_env = {
