@@ -35,11 +35,17 @@ class StepConstants:
       dropout read + write 4, mask 1.
     - ``optimizer_bytes_per_param`` 32: Adam reads and writes fp32 master, momentum, variance (24), reads the
       gradient and writes the bf16 weight.
-    - ``overlap_slowdown`` 0.25: an overlapped collective still slows the compute it hides behind (NCCL
-      kernels take SMs and HBM bandwidth; the step is ``max(comm, compute) + k min(comm, compute)``).
+    - ``overlap_slowdown`` 0.5: an overlapped collective still slows the compute it hides behind (NCCL
+      kernels take SMs and HBM bandwidth, and prefetching leaves the first and last gathers exposed; the step
+      is ``max(comm, compute) + k min(comm, compute)``).
     - ``zero3_flat_nic`` True: ZeRO-3's per-parameter all-gathers / reduce-scatters across nodes run as a flat
       ring at each GPU's own NIC rate (no rail-parallel hierarchy), as DeepSpeed / FSDP issue them.
-    - ``zero3_passes_recompute`` True: full recomputation gathers the parameters again.
+    - ``zero3_passes_recompute`` False: with full recomputation a layer's recomputed forward runs right before
+      its backward, so one parameter all-gather serves both (three passes a micro-batch: gather in forward,
+      gather before recompute + backward, reduce-scatter of the gradients).
+    - ``zero3_collectives_per_layer`` 6: DeepSpeed ZeRO-3 fetches parameters module by module (two LayerNorms,
+      QKV, attention projection, two MLP linears), so each pass pays the ring latency ``(n - 1) alpha`` six
+      times per layer; FSDP2 wrapping each block would be 1.
     - ``sustained_compute`` 0.85: tensor-core work in a long training step runs at this share of the
       roofline rate (``costmodel.compute``, which is the maximum achievable rate of an isolated kernel): an A100
       SXM at its 400 W limit sustains ~1.2-1.3 GHz of its 1.41 GHz boost clock under dense tensor-core
@@ -50,9 +56,10 @@ class StepConstants:
     elementwise_ffn_bytes: float = 4.0
     softmax_bytes: float = 9.0
     optimizer_bytes_per_param: float = 32.0
-    overlap_slowdown: float = 0.25
+    overlap_slowdown: float = 0.5
     zero3_flat_nic: bool = True
-    zero3_passes_recompute: bool = True
+    zero3_passes_recompute: bool = False
+    zero3_collectives_per_layer: int = 6
     sustained_compute: float = 0.85
     last_bucket_bytes: float = 25e6
     """Gradient bucket reduced after the backward ends (PyTorch DDP's default bucket): never overlapped."""

@@ -249,8 +249,12 @@ def _dp_collective(op: str, nbytes: float, group: Group, cluster: Cluster, *, fl
 
 @functools.lru_cache(maxsize=16384)
 def _dp_comm(wb: int, cluster: ByIdentity, dense: float, expert: float, m: int, k: StepConstants, *, dp: int, cp: int,
-             tp: int, ep: int, zero_stage: int, recompute: str) -> tuple[str, float]:
-    """Seconds of data-parallel traffic per step for one pipeline rank, and its link kind (pure: memoized)."""
+             tp: int, ep: int, zero_stage: int, recompute: str, layers: int) -> tuple[str, float]:
+    """Seconds of data-parallel traffic per step for one pipeline rank, and its link kind (pure: memoized).
+
+    ZeRO-3 gathers and reduces parameters module by module: ``layers`` transformer layers on the rank times
+    ``StepConstants.zero3_collectives_per_layer`` collectives per pass, plus one for the rank's other entries
+    (embedding, head), each paying the ring's latency steps on its share of the bytes."""
     groups = ((dense, Group(size=dp * cp, stride=tp)),
               (expert, Group(size=max(1, dp // ep) * cp, stride=tp * ep)))
     total, kind, largest = 0.0, "", 0.0
@@ -263,8 +267,10 @@ def _dp_comm(wb: int, cluster: ByIdentity, dense: float, expert: float, m: int, 
         else:
             gathers = 2 + (1 if recompute == "full" and k.zero3_passes_recompute else 0)
             parts = [("all_gather", gathers * m), ("reduce_scatter", m)]
+        units = layers * k.zero3_collectives_per_layer + 1 if zero_stage == 3 else 1
         for op, times in parts:
-            lk, t = _dp_collective(op, nbytes, g, cluster.obj, flat=zero_stage == 3 and k.zero3_flat_nic)
+            lk, t = _dp_collective(op, nbytes / units, g, cluster.obj, flat=zero_stage == 3 and k.zero3_flat_nic)
+            t *= units
             if t * times > largest:  # the link kind of the largest contribution names the traffic
                 kind, largest = lk, t * times
             total += t * times
@@ -324,16 +330,19 @@ def _pipeline(ctx_key: _CtxKey, stage_layers: tuple[int, ...], *, schedule: str,
 
 
 def _data_parallel(workload: Workload, cfg: ParallelConfig, cluster: Cluster, dense: np.ndarray,
-                   expert: np.ndarray, pipe: dict, m: int, k: StepConstants, device: Accelerator) -> dict:
+                   expert: np.ndarray, layers: np.ndarray, pipe: dict, m: int, k: StepConstants,
+                   device: Accelerator) -> dict:
     """Exposed dp seconds and optimizer seconds: the slowest pipeline rank of each."""
     memo: dict[tuple[float, float], tuple[str, float]] = {}
     exposed, kind = 0.0, ""
     dense_l, expert_l, bwd_l = dense.tolist(), expert.tolist(), pipe["bwd_rank_s"].tolist()
+    layers_l = [int(x) for x in layers.tolist()]
     for r in range(cfg.pp):
-        key = (dense_l[r], expert_l[r])
+        key = (dense_l[r], expert_l[r], layers_l[r])
         if key not in memo:
             memo[key] = _dp_comm(workload.dtype_bytes, ByIdentity(cluster), key[0], key[1], m, k, dp=cfg.dp, cp=cfg.cp,
-                                 tp=cfg.tp, ep=cfg.ep, zero_stage=cfg.zero_stage, recompute=cfg.recompute)
+                                 tp=cfg.tp, ep=cfg.ep, zero_stage=cfg.zero_stage, recompute=cfg.recompute,
+                                 layers=key[2])
         lk, t = memo[key]
         if not cfg.overlap_grad_reduce:
             window = 0.0
@@ -443,7 +452,8 @@ def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_l
     uniques, counts = _structure(workload, stage_layers)
     pipe = _pipeline(ctx_key, stage_layers, schedule=cfg.schedule, pp=cfg.pp, v=cfg.virtual_stages, m=m, dp=cfg.dp)
     dense, expert = _rank_params(workload, stage_layers, cfg)
-    dp = _data_parallel(workload, cfg, cluster, dense, expert, pipe, m, k, device)
+    tr_per_rank, _ = _transformer_layers(ByIdentity(uniques), ByIdentity(counts), cfg.virtual_stages, cfg.pp)
+    dp = _data_parallel(workload, cfg, cluster, dense, expert, tr_per_rank, pipe, m, k, device)
     breakdown = dict(pipe["parts"])
     if dp["exposed_s"] > 0:
         key = f"comm_{dp['kind']}"

@@ -7,6 +7,8 @@ import pytest
 from costmodel.analytic import gpt_workload, llama_workload, sc21_model_flops
 from costmodel.errors import ConfigError
 from costmodel.profiles import make_cluster
+from costmodel.comm import DEFAULT_EFFICIENCY
+from costmodel.layer_time import DEFAULT_STEP_CONSTANTS
 from costmodel.step import ParallelConfig, estimate_step, even_stage_layers
 
 
@@ -177,10 +179,8 @@ def test_fidelity_sc21_targets():
     s = summary(rows)
     assert s["cases"] == 22
     assert s["median_abs_error"] <= 0.05
-    known = {"megatron-sc21-t2-530b-zero3-640", "megatron-sc21-t2-530b-zero3-1120"}
     for r in rows:
-        bound = 0.15 if r["case"] in known else 0.10  # the two 530B ZeRO-3 rows: documented gap
-        assert abs(r["error"]) <= bound, (r["case"], r["predicted_tflops"], r["measured_tflops"])
+        assert abs(r["error"]) <= 0.10, (r["case"], r["predicted_tflops"], r["measured_tflops"])
 
 
 def test_data_parallel_overlap(cluster64):
@@ -189,5 +189,24 @@ def test_data_parallel_overlap(cluster64):
     over = estimate_step(w, ParallelConfig(**base), cluster64)
     after = estimate_step(w, ParallelConfig(**base, overlap_grad_reduce=False), cluster64)
     exposed = lambda e: sum(v for k, v in e.breakdown_s.items() if k.startswith("comm_"))  # noqa: E731
-    assert exposed(after) > 2 * exposed(over) > 0  # overlapped: the last bucket and the slowdown remain
+    # the all-reduce (~0.04 s) hides inside the backward (~0.1 s): only the slowdown share stays exposed
+    assert exposed(over) == pytest.approx(DEFAULT_STEP_CONSTANTS.overlap_slowdown * exposed(after))
+    assert exposed(after) > exposed(over) > 0
     assert after.step_time_s - over.step_time_s == pytest.approx(exposed(after) - exposed(over))
+
+
+def test_zero3_traffic_by_hand():
+    """ZeRO-3 on 2 DGX-A100 nodes, dp=16, one micro-batch: three passes (gather, gather for recompute +
+    backward, reduce-scatter), each split into 6 collectives per layer + 1 for embedding / head, each a flat
+    ring at one HDR NIC per GPU: (n - 1) alpha + (n - 1) / n bytes / (25 GB/s x 0.92)."""
+    from costmodel.step import _dp_comm, ByIdentity
+
+    cluster = make_cluster("dgx-a100-80gb", 2)
+    k, n, layers, params = DEFAULT_STEP_CONSTANTS, 16, 4, 1e9
+    units = layers * 6 + 1
+    ring = lambda nbytes: (n - 1) * 5e-6 + (n - 1) / n * nbytes / (25e9 * DEFAULT_EFFICIENCY.infiniband)  # noqa: E731
+    expected = 3 * units * ring(params * 2 / units)
+    kind, got = _dp_comm(2, ByIdentity(cluster), params, 0.0, 1, k, dp=n, cp=1, tp=1, ep=1, zero_stage=3,
+                         recompute="full", layers=layers)
+    assert kind == "infiniband"
+    assert got == pytest.approx(expected, rel=1e-9)
