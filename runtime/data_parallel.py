@@ -1,4 +1,5 @@
-"""Data parallelism per the plan's ZeRO stage, over the batch axis of the mesh ("dp", times "ep").
+"""Data parallelism per the plan's ZeRO stage, over the batch axis of the mesh ("dp", times "ep"; times "cp" under
+context parallel, whose ranks hold parts of the same sequences: ``runtime.mesh.grad_mesh``).
 
 - ZeRO 3: FSDP2 ``fully_shard`` on every transformer layer (the children of the model's ModuleLists) and on the
   root, ``reshard_after_forward=True``: parameters, gradients and optimizer state sharded (Rajbhandari et al. 2020).
@@ -25,14 +26,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from costmodel.errors import ConfigError
 from planner.plan import Plan
-from runtime.mesh import batch_mesh
+from runtime.mesh import grad_mesh
 
 log = logging.getLogger(__name__)
 
 
 def apply_data_parallel(model: nn.Module, *, plan: Plan, mesh: DeviceMesh) -> nn.Module:
     """Wrap ``model`` for data parallelism over the batch axis; returns the module to call (DDP may wrap it)."""
-    dp_mesh = batch_mesh(mesh)
+    dp_mesh = grad_mesh(mesh)  # the batch axes, times cp when context parallel
     if dp_mesh.size() == 1:
         return model
     zero = plan.zero_stage

@@ -74,6 +74,7 @@ def manual_plan(
     model: nn.Module,
     *,
     tp: int = 1,
+    cp: int = 1,
     dp: int = 1,
     pp: int = 1,
     zero_stage: int = 0,
@@ -85,8 +86,10 @@ def manual_plan(
     name: str = "manual",
     shardings: tuple[ModuleSharding, ...] | None = None,
 ) -> Plan:
-    """A Plan with the given degrees for ``model`` (module names from ``megatron_shardings`` when tp > 1)."""
-    degrees = ParallelDegrees(tp=tp, dp=dp, pp=pp)
+    """A Plan with the given degrees for ``model`` (module names from ``megatron_shardings`` when tp > 1).
+
+    ``cp`` > 1: context parallel (``runtime.context_parallel``); ``seq_len`` (if given) must be divisible by 2 cp."""
+    degrees = ParallelDegrees(tp=tp, cp=cp, dp=dp, pp=pp)
     world = degrees.world_size
     if shardings is None:
         shardings = megatron_shardings(model, sequence_parallel=sequence_parallel) if tp > 1 else ()

@@ -109,6 +109,19 @@ def batch_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["dp", "ep"]._flatten("dp_ep")
 
 
+def grad_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The sub-mesh that averages the gradients of replicated parameters (and that ZeRO shards over): the batch
+    axes, times ``cp`` (each cp rank computes the gradient of its tokens' loss; ``runtime.context_parallel``)."""
+    if mesh["cp"].size() == 1:
+        return batch_mesh(mesh)
+    if mesh["ep"].size() > 1:
+        raise ConfigError(
+            f"mesh has cp={mesh['cp'].size()} and ep={mesh['ep'].size()}: context parallel runs with ep=1; "
+            "re-plan with --fix ep=1 or --fix cp=1"
+        )
+    return mesh["dp", "cp"]._flatten("dp_cp")
+
+
 def batch_rank_and_size(mesh: DeviceMesh) -> tuple[int, int]:
     """This rank's index in the batch split and the number of batch shards."""
     dp = batch_mesh(mesh)

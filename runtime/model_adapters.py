@@ -18,6 +18,10 @@ that the chunks chained together compute what the full model computes. Families:
 
 Only the unpadded causal-LM path is supported (no attention mask, no KV cache), which is what training uses.
 The Mixtral load-balancing auxiliary loss is not part of the chunk outputs (the LM logits are).
+
+Context parallel (``runtime.context_parallel``) asks an adapter for the attention modules whose attention function
+it replaces (``attention_modules``) and for the keyword arguments that give the whole model the global position
+ids of a rank's tokens (``cp_model_kwargs``): families ``opt`` and ``llama`` (GPT-2 is not supported yet).
 """
 
 from __future__ import annotations
@@ -78,6 +82,22 @@ class ModelAdapter:
         out = layer(hidden, **context)
         return out[0] if isinstance(out, tuple) else out
 
+    attention_child = ""
+    """Name of the attention module inside each layer; empty where context parallel is not supported."""
+
+    def attention_modules(self, model: nn.Module) -> list[nn.Module]:
+        """Every layer's attention module (what context parallel hooks)."""
+        if not self.attention_child:
+            raise UnsupportedModelError(
+                f"context parallelism does not support the {self.family} family yet: use cp=1 (supported: "
+                "OPT and Llama/Mistral/Mixtral/Qwen2 layouts)"
+            )
+        return [model.get_submodule(f"{fqn}.{self.attention_child}") for fqn in self.layout.layers]
+
+    def cp_model_kwargs(self, positions: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Forward keyword arguments that set the global position ids ((1, T_local)) of a rank's tokens."""
+        return {"position_ids": positions}
+
 
 def _present(model: nn.Module, fqns: tuple[str, ...]) -> tuple[str, ...]:
     found = []
@@ -98,6 +118,7 @@ def _layer_fqns(model: nn.Module, container: str) -> tuple[str, ...]:
 
 class OptAdapter(ModelAdapter):
     family = "opt"
+    attention_child = "self_attn"
 
     def _layout(self, model: nn.Module) -> Layout:
         if getattr(self.config, "layerdrop", 0.0):
@@ -136,6 +157,7 @@ class LlamaAdapter(ModelAdapter):
     """Llama / Mistral / Mixtral / Qwen2 layout: model.embed_tokens, model.layers, model.norm, lm_head."""
 
     family = "llama"
+    attention_child = "self_attn"
 
     def _layout(self, model: nn.Module) -> Layout:
         return Layout(
@@ -204,8 +226,9 @@ def _has(model: nn.Module, fqn: str) -> bool:
     return True
 
 
-def adapter_for(model: nn.Module) -> ModelAdapter:
-    """Pick the adapter from the module structure; raise UnsupportedModelError naming the supported layouts."""
+def adapter_for(model: nn.Module, *, purpose: str = "pipeline parallelism") -> ModelAdapter:
+    """Pick the adapter from the module structure; raise UnsupportedModelError naming the supported layouts
+    (``purpose``: what needs the adapter, for the message)."""
     if _has(model, "model.decoder.layers") and _has(model, "model.decoder.embed_positions"):
         return OptAdapter(model)
     if _has(model, "model.layers") and _has(model, "model.rotary_emb") and _has(model, "model.embed_tokens"):
@@ -213,7 +236,7 @@ def adapter_for(model: nn.Module) -> ModelAdapter:
     if _has(model, "transformer.h") and _has(model, "transformer.wpe"):
         return Gpt2Adapter(model)
     raise UnsupportedModelError(
-        f"pipeline parallelism cannot cut {type(model).__name__}: supported layouts are OPT "
+        f"{purpose} cannot run {type(model).__name__}: supported layouts are OPT "
         "(model.decoder.layers), Llama/Mistral/Mixtral (model.layers + model.rotary_emb) and GPT-2 "
-        "(transformer.h); use a plan with pp=1 for other models"
+        f"(transformer.h); use a plan without {purpose} ({'pp' if 'pipeline' in purpose else 'cp'}=1) for other models"
     )

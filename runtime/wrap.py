@@ -10,6 +10,8 @@
 emits too, so the same script runs every plan). ``step`` accepts the global batch (``plan.global_batch`` rows,
 identical on every rank: each rank takes its data-parallel slice) or this rank's slice (global_batch / dp rows).
 It returns the global mean loss on every rank, with gradients averaged over data-parallel ranks.
+With context parallel (cp > 1) ``step`` also takes the whole sequence (B, T) of input ids and targets and keeps this
+rank's T / cp tokens (``runtime.context_parallel``); the loss is the mean over all tokens of all cp ranks.
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from costmodel.errors import ConfigError, PlanMismatchError
 from planner.plan import Plan, check_plan_matches, load_plan, model_fingerprint
+from runtime.context_parallel import ContextParallel, apply_context_parallel, check_context_parallel
 from runtime.data_parallel import apply_data_parallel, unwrap
 from runtime.materialize import materialize
-from runtime.mesh import batch_rank_and_size, build_mesh, init_distributed
+from runtime.mesh import batch_rank_and_size, build_mesh, grad_mesh, init_distributed
 from runtime.tensor_parallel import apply_tensor_parallel
 
 log = logging.getLogger(__name__)
@@ -65,7 +68,14 @@ class ParallelModel:
     """A model with a plan applied; see the module docstring."""
 
     def __init__(
-        self, *, module: nn.Module, plan: Plan, mesh: DeviceMesh, loss_fn: LossFn | None, pipeline: Any = None
+        self,
+        *,
+        module: nn.Module,
+        plan: Plan,
+        mesh: DeviceMesh,
+        loss_fn: LossFn | None,
+        pipeline: Any = None,
+        context: ContextParallel | None = None,
     ) -> None:
         self.module = module
         """The parallelized module (DDP wrapper for ZeRO 0 without TP); for pp > 1 the full model's skeleton."""
@@ -74,6 +84,8 @@ class ParallelModel:
         self.loss_fn = loss_fn
         self.pipeline = pipeline
         """``runtime.pipeline.PipelineRunner`` when pp > 1."""
+        self.context = context
+        """``runtime.context_parallel.ContextParallel`` when cp > 1: splits each sequence over the cp ranks."""
         self.dp_rank, self.dp_size = batch_rank_and_size(mesh)
         self._device = (
             torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
@@ -111,6 +123,11 @@ class ParallelModel:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.pipeline is not None:
             raise ConfigError("a pipelined model runs through step(); call it outside the pipeline")
+        if self.context is not None and "position_ids" not in kwargs:
+            raise ConfigError(
+                f"with cp={self.context.size} each rank holds T / {self.context.size} tokens of a sequence: call "
+                "step(), or pass this rank's tokens (context.shard_batch) with **context.model_kwargs(ids)"
+            )
         return self.module(*args, **kwargs)
 
     def step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
@@ -118,6 +135,8 @@ class ParallelModel:
         if self.loss_fn is None:
             raise ConfigError("ParallelModel.step needs loss_fn: pass loss_fn= to apply_plan / auto_wrap")
         inputs, targets = self._local_batch(inputs, targets)
+        if self.context is not None:
+            inputs, targets = self.context.shard_batch(inputs, targets)  # (B, T / cp) each: this rank's tokens
         inputs, targets = _to(inputs, self._device), targets.to(self._device)
         if self.pipeline is not None:
             return self.pipeline.step(inputs, targets)
@@ -133,15 +152,17 @@ class ParallelModel:
             sync = self.module.no_sync() if isinstance(self.module, DistributedDataParallel) and not last else contextlib.nullcontext()
             with sync:
                 total += self._micro_step(mb_inputs[i], mb_targets[i], n_mb)
-        if self.dp_size > 1:
-            from runtime.mesh import batch_mesh
-
-            dist.all_reduce(total, group=batch_mesh(self.mesh).get_group())
-            total /= self.dp_size
+        group = grad_mesh(self.mesh)  # the batch ranks, times cp (each holds a per-token mean over equal counts)
+        if group.size() > 1:
+            dist.all_reduce(total, group=group.get_group())
+            total /= group.size()
         return total
 
     def _micro_step(self, inputs: Any, targets: torch.Tensor, n_mb: int) -> torch.Tensor:
-        out = self.module(*inputs) if isinstance(inputs, tuple) else self.module(inputs)
+        if self.context is not None:  # cp: the global position ids of this rank's tokens
+            out = self.module(inputs, **self.context.model_kwargs(inputs))
+        else:
+            out = self.module(*inputs) if isinstance(inputs, tuple) else self.module(inputs)
         logits = logits_of(out)
         ctx = loss_parallel() if isinstance(logits, DTensor) else contextlib.nullcontext()
         with ctx:
@@ -194,16 +215,13 @@ def apply_plan(
     loss_fn: LossFn | None = None,
     seed: int = 0,
 ) -> ParallelModel:
-    """Apply ``plan`` to ``model`` on the running process group: TP/SP, then DP/ZeRO (or the pipeline with
-    per-chunk TP/DP), then materialise a meta-device model as local shards (seeded per module FQN)."""
+    """Apply ``plan`` to ``model`` on the running process group: TP/SP, then CP (attention over the cp ranks), then
+    DP/ZeRO over dp x cp (or the pipeline with per-chunk TP/DP), then materialise a meta-device model as local
+    shards (seeded per module FQN)."""
     info = init_distributed()
     check_plan_matches(plan, fingerprint=fingerprint_of(model), world_size=dist.get_world_size())
     d = plan.degrees
-    if d.cp > 1:
-        raise ConfigError(
-            f"plan has cp={d.cp}: context parallel is not run by this runtime (torch's context_parallel needs "
-            "SDPA on CUDA); re-plan with cp=1"
-        )
+    check_context_parallel(plan)  # cp runs with tp and dp; refused with pp or ep
     if d.ep > 1:
         from runtime.expert_parallel import apply_expert_plan  # experts over ep, all-to-all dispatch
 
@@ -216,14 +234,15 @@ def apply_plan(
     if d.pp > 1:
         return _apply_pipelined(model, plan, mesh=mesh, loss_fn=loss_fn, seed=seed, device=device, is_meta=is_meta)
     module = apply_tensor_parallel(model, plan=plan, mesh=mesh)
-    dp = batch_rank_and_size(mesh)[1]
+    context = apply_context_parallel(module, plan=plan, mesh=mesh)
+    dp = grad_mesh(mesh).size()  # gradients are averaged over dp x cp
     uses_ddp = dp > 1 and plan.zero_stage == 0 and not any(isinstance(p, DTensor) for p in module.parameters())
     if is_meta and uses_ddp:
         materialize(module, device=device, seed=seed)
     module = apply_data_parallel(module, plan=plan, mesh=mesh)
     if is_meta and not uses_ddp:
         materialize(unwrap(module), device=device, seed=seed)
-    return ParallelModel(module=module, plan=plan, mesh=mesh, loss_fn=loss_fn)
+    return ParallelModel(module=module, plan=plan, mesh=mesh, loss_fn=loss_fn, context=context)
 
 
 def _apply_pipelined(

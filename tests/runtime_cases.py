@@ -55,12 +55,26 @@ def mixtral_model(*, device: str = "meta") -> nn.Module:
         return MixtralForCausalLM(cfg)
 
 
+def mixtral_window_model(*, device: str = "meta") -> nn.Module:
+    """Mixtral with a sliding window of half the sequence, so the window changes the attention."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4,
+        num_experts_per_tok=2, tie_word_embeddings=False, router_jitter_noise=0.0, sliding_window=SEQ // 2,
+    )
+    with torch.device(device):
+        return MixtralForCausalLM(cfg)
+
+
 def opt_tied_model(*, device: str = "meta") -> nn.Module:
     return opt_model(device=device, tie=True)
 
 
 MODELS: dict[str, Callable[..., nn.Module]] = {
     "opt": opt_model, "opt_tied": opt_tied_model, "llama": llama_model, "mixtral": mixtral_model,
+    "mixtral_window": mixtral_window_model,
 }
 
 
