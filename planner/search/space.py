@@ -16,6 +16,8 @@ Pruning rules, each a dominance argument that ``tests/test_search.py`` checks ag
   little faster, e.g. its p2p hops overlap differently, so it is not dominated.)
 - ZeRO-1 is dominated by ZeRO-2 (same traffic, less memory), so the default ZeRO stages are 0, 2, 3.
 - With ``dp * cp == 1`` ZeRO has nothing to shard over: only ZeRO-0.
+- Context parallel (cp > 1) is enumerated with pp = 1 and ep = 1 only, what the runtime executes
+  (``runtime/context_parallel.py``); ``--fix`` with both cp and pp (or cp and ep) still prices the combination.
 - Sequence parallel (tp > 1) is priced both ways: it saves activation memory and usually time (norm/dropout
   work divided by tp, the same bytes moved), but not on every link and layer (e.g. over PCIe the step model
   can price some layers slower with it), so it does not dominate plain tp.
@@ -218,6 +220,10 @@ def _schedules(*, pp: int, m: int, layers: int, options: SearchOptions) -> list[
     return out
 
 
+def _both_fixed(fix: Mapping[str, Any], a: str, b: str) -> bool:
+    return a in fix and b in fix
+
+
 def enumerate_structures(
     *,
     dims: ModelDimsLite,
@@ -248,11 +254,14 @@ def enumerate_structures(
         for cp in pinned("cp", cp_choices(dims, options=options)):
             rest = num_devices // (tp * cp) if num_devices % (tp * cp) == 0 else 0
             pps = [p for p in divisors(rest) if p <= dims.layers and all(b % (num_devices // p) == 0 for b in boundaries)]
+            if cp > 1 and not _both_fixed(fix, "cp", "pp"):
+                pps = [p for p in pps if p == 1]  # the runtime runs cp without pp
             for pp in pinned("pp", pps if rest else []):
                 dp = rest // pp
                 if global_batch % dp or ("dp" in fix and fix["dp"] != dp):
                     continue
-                for ep in pinned("ep", ep_choices(dims, dp=dp)):
+                eps = ep_choices(dims, dp=dp) if cp == 1 or _both_fixed(fix, "cp", "ep") else [1]  # cp without ep
+                for ep in pinned("ep", eps):
                     per_dp = global_batch // dp
                     mbs = [b for b in divisors(per_dp) if b <= options.max_microbatch]
                     for mb in pinned("microbatch", mbs):
@@ -277,6 +286,8 @@ def valid_dps(*, dims: ModelDimsLite, num_devices: int, gpus_per_node: int, opti
                 continue
             rest = num_devices // (tp * cp)
             for pp in divisors(rest):
+                if cp > 1 and pp > 1 and not _both_fixed(fix, "cp", "pp"):
+                    continue  # the runtime runs cp without pp
                 if pp <= dims.layers and fix.get("pp", pp) == pp and fix.get("dp", rest // pp) == rest // pp:
                     out.add(rest // pp)
     return sorted(out)
@@ -319,15 +330,26 @@ def step_time_lower_bound_s(structure: Structure, *, ideal_step_s: float) -> flo
     return ideal_step_s * bubble_factor(structure)
 
 
-def pipeline_lower_bound_s(structure: Structure, *, layer_time_sum_s: float) -> float:
+def pipeline_lower_bound_s(structure: Structure, *, layer_time_sum_s: float,
+                           least_sum_s: float | None = None) -> float:
     """A bound on the step time from the summed per-micro-batch layer time ``T`` of all pipeline ranks.
 
     Whatever the cuts, the busiest rank does at least ``T / pp`` per micro-batch. GPipe / 1F1B take
     ``sum_s T_s + (m - 1) max_s T_s >= T (m + pp - 1) / pp``; interleaved ``T (m + (pp - 1) / v) / pp``;
     zero-bubble at least ``m T / pp`` (the busiest rank's work). p2p, data-parallel communication and the
     optimizer only add.
+
+    Heterogeneous ranks (``least_sum_s`` given): ``T`` is then ``pp`` times the busiest rank's least time
+    (all layers spread in proportion to the ranks' speeds) and ``least_sum_s`` the least ``sum_s T_s`` (all
+    layers at the fastest rank's speed): GPipe / 1F1B take at least ``least_sum + (m - 1) T / pp``, the
+    others ``m T / pp`` (the cuts may move work off the slow ranks, so the equal-rank terms do not hold).
     """
     s = structure
+    if least_sum_s is not None:
+        busiest = layer_time_sum_s / s.pp
+        if s.schedule in ("gpipe", "1f1b") and s.virtual_stages == 1:
+            return least_sum_s + (s.num_microbatches - 1) * busiest
+        return s.num_microbatches * busiest
     if s.schedule in ("gpipe", "1f1b", "interleaved-1f1b"):
         # interleaved: m max_r T_r + sum_{r < pp-1} max-chunk_r >= m M + (T - M) / v, least at M = T / pp
         return layer_time_sum_s * (s.num_microbatches + (s.pp - 1) / s.virtual_stages) / s.pp
