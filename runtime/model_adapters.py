@@ -21,7 +21,7 @@ The Mixtral load-balancing auxiliary loss is not part of the chunk outputs (the 
 
 Context parallel (``runtime.context_parallel``) asks an adapter for the attention modules whose attention function
 it replaces (``attention_modules``) and for the keyword arguments that give the whole model the global position
-ids of a rank's tokens (``cp_model_kwargs``): families ``opt`` and ``llama`` (GPT-2 is not supported yet).
+ids of a rank's tokens (``cp_model_kwargs``): every family here.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class ModelAdapter:
         if not self.attention_child:
             raise UnsupportedModelError(
                 f"context parallelism does not support the {self.family} family yet: use cp=1 (supported: "
-                "OPT and Llama/Mistral/Mixtral/Qwen2 layouts)"
+                "OPT, Llama/Mistral/Mixtral/Qwen2 and GPT-2 layouts)"
             )
         return [model.get_submodule(f"{fqn}.{self.attention_child}") for fqn in self.layout.layers]
 
@@ -193,6 +193,7 @@ class LlamaAdapter(ModelAdapter):
 
 class Gpt2Adapter(ModelAdapter):
     family = "gpt2"
+    attention_child = "attn"
 
     def _layout(self, model: nn.Module) -> Layout:
         return Layout(

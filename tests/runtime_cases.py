@@ -68,13 +68,24 @@ def mixtral_window_model(*, device: str = "meta") -> nn.Module:
         return MixtralForCausalLM(cfg)
 
 
+def gpt2_model(*, device: str = "meta") -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(
+        vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, tie_word_embeddings=False,
+    )
+    with torch.device(device):
+        return GPT2LMHeadModel(cfg)
+
+
 def opt_tied_model(*, device: str = "meta") -> nn.Module:
     return opt_model(device=device, tie=True)
 
 
 MODELS: dict[str, Callable[..., nn.Module]] = {
     "opt": opt_model, "opt_tied": opt_tied_model, "llama": llama_model, "mixtral": mixtral_model,
-    "mixtral_window": mixtral_window_model,
+    "mixtral_window": mixtral_window_model, "gpt2": gpt2_model,
 }
 
 

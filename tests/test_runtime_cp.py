@@ -3,8 +3,8 @@
 - unit: the load-balanced split (rank r holds chunks r and 2 cp - 1 - r of 2 cp), the refusals of plans this runtime
   cannot run (cp with pp, cp with ep, a sequence that does not split into 2 cp chunks), the planner enumerating cp
   only where the runtime runs it;
-- 2 ranks: cp2 on Llama, OPT (learned positions) and Mixtral with a sliding window, and cp2 through ``auto_wrap``
-  with a plan file;
+- 2 ranks: cp2 on Llama, OPT and GPT-2 (learned positions) and Mixtral with a sliding window, and cp2 through
+  ``auto_wrap`` with a plan file;
 - 4 ranks: cp2 x dp2 (DDP and ZeRO 3 over the dp x cp ranks), cp2 x tp2 with sequence parallel, cp4, and a
   cp2 x pp2 plan refused on the live process group.
 
@@ -26,6 +26,7 @@ CP2_CASES = [
     ("llama cp2", "llama", dict(cp=2, microbatch_size=2, num_microbatches=2)),
     ("opt cp2", "opt", dict(cp=2, microbatch_size=4)),
     ("mixtral sliding window cp2", "mixtral_window", dict(cp=2, microbatch_size=2)),
+    ("gpt2 cp2", "gpt2", dict(cp=2, microbatch_size=2)),
 ]
 CP4_CASES = [
     ("llama cp2 x dp2 zero0", "llama", dict(cp=2, dp=2, microbatch_size=1, num_microbatches=2)),
