@@ -2,9 +2,13 @@
 
 ``estimate_step(workload, config, cluster)`` composes the pieces:
 
-1. Layer times for one micro-batch on one device (``costmodel.layer_time``): compute on the cluster's
-   slowest accelerator plus the tp / cp / ep collectives each layer puts on the critical path; recomputation
-   adds a forward (full: with its tp collectives; selective: the attention core).
+1. Layer times for one micro-batch on one device (``costmodel.layer_time``): compute plus the tp / cp / ep
+   collectives each layer puts on the critical path; recomputation adds a forward (full: with its tp
+   collectives; selective: the attention core). Pipeline rank ``r`` holds the contiguous ranks
+   ``[r N / pp, (r + 1) N / pp)``; on a heterogeneous cluster each rank is priced on the node group that holds
+   them (its accelerator, its intra-node links, its GPU memory; ``_rank_clusters``), so a pipeline over an
+   A100 and an H100 group has faster H100 stages. A rank whose devices straddle groups runs at the pace of
+   the slowest of them, within the least memory.
 2. Chunks: ``stage_layers`` consecutive workload entries per pipeline chunk (even by default: transformer
    layers spread evenly, the embedding on the first chunk, the head on the last). Chunk ``c`` runs on pipeline
    rank ``c % pp``. Pipeline time from ``costmodel.pipeline`` closed forms, with the p2p send/recv of
@@ -14,8 +18,9 @@
    recomputation) and backward plus gradient reduce-scatters (ZeRO-3). Overlapped with the backward of the
    last micro-batch (ZeRO-3: with all compute) when ``overlap_grad_reduce``:
    ``exposed = max(0, comm - window) + k min(comm, window)`` (``StepConstants.overlap_slowdown``).
-4. Optimizer: Adam over the device's (ZeRO-sharded) parameters, memory-bound.
-5. Memory per pipeline rank (``costmodel.memory``) with the schedule's in-flight micro-batches.
+4. Optimizer: Adam over the device's (ZeRO-sharded) parameters, memory-bound, on each rank's device.
+5. Memory per pipeline rank (``costmodel.memory``) with the schedule's in-flight micro-batches, checked
+   against that rank's own device memory.
 
 Speed: the per-workload structure (distinct layers and their count per chunk) is memoized by the identity of
 the immutable ``workload.layers`` tuple. The pure pieces of a call are memoized too (``functools.lru_cache`` on
@@ -26,7 +31,7 @@ Llama-3 70B (4721 calls) costs ~0.3 ms CPU per call (0.6 ms without these memos)
 
 FLOPs: ``model_tflops_per_gpu`` counts forward + backward of the workload (6N + attention, SC21 Eq. 3's 72 form
 for GPT); ``hw_tflops_per_gpu`` adds what recomputation re-runs (the 96 form with full recomputation), the
-figure SC21 reports. ``mfu`` = model FLOPs / (step time x devices x dense bf16 peak).
+figure SC21 reports. ``mfu`` = model FLOPs / (step time x the devices' summed dense bf16 peak).
 """
 
 from __future__ import annotations
@@ -68,7 +73,8 @@ class StepEstimate:
     """Of the rank with the most memory."""
     bottleneck: str
     stage_time_s: tuple[float, ...]
-    """Per pipeline rank: forward + backward (+ recompute) of one micro-batch through all its chunks."""
+    """Per pipeline rank: forward + backward (+ recompute) of one micro-batch through all its chunks, on the
+    rank's own accelerator."""
     stage_memory_gb: tuple[float, ...]
     config: ParallelConfig
     """The configuration priced, with chosen micro-batch / virtual stages filled in."""
@@ -78,6 +84,11 @@ class StepEstimate:
     chosen: dict[str, int] = field(default_factory=dict)
     """Options the caller left as None and this estimate chose (``microbatch``, ``virtual_stages``)."""
     memory_limit_gb: float = 0.0
+    """The least device memory over pipeline ranks."""
+    stage_memory_limit_gb: tuple[float, ...] = ()
+    """Per pipeline rank: the device memory of the node group(s) its devices sit in."""
+    stage_device: tuple[str, ...] = ()
+    """Per pipeline rank: the accelerator its stage is priced on (the slowest of the groups it spans)."""
 
 
 def _even_stage_layers(kinds: list[str], chunks: int) -> tuple[int, ...]:
@@ -101,8 +112,46 @@ def _even_stage_layers(kinds: list[str], chunks: int) -> tuple[int, ...]:
 
 
 def _device(cluster: Cluster) -> Accelerator:
-    """The slowest accelerator of the cluster paces a synchronous step."""
+    """The slowest accelerator of a (part of a) cluster paces what runs on all its devices."""
     return min((g.node.gpu for g in cluster.groups), key=lambda a: a.tflops("bf16"))
+
+
+@functools.lru_cache(maxsize=256)
+def _rank_clusters_cached(cluster: ByIdentity, pp: int) -> tuple[tuple[Cluster, ...], tuple[int, ...]]:
+    whole: Cluster = cluster.obj
+    if len(whole.groups) == 1:
+        return (whole,), ()
+    per_rank = whole.num_devices // pp
+    parts: list[Cluster] = []
+    index: dict[tuple[int, int], int] = {}
+    classes = []
+    for r in range(pp):
+        lo = whole.group_index_of_rank(r * per_rank)
+        hi = whole.group_index_of_rank((r + 1) * per_rank - 1)
+        if (lo, hi) not in index:
+            index[(lo, hi)] = len(parts)
+            whole_span = lo == 0 and hi == len(whole.groups) - 1
+            parts.append(whole if whole_span else Cluster(name=f"{whole.name}[{lo}]" if lo == hi else f"{whole.name}[{lo}-{hi}]",
+                                 groups=whole.groups[lo : hi + 1], calibration=whole.calibration))
+        classes.append(index[(lo, hi)])
+    if len(parts) == 1:
+        return (parts[0],), ()
+    return tuple(parts), tuple(classes)
+
+
+def _rank_clusters(cluster: Cluster, pp: int) -> tuple[tuple[Cluster, ...], tuple[int, ...]]:
+    """The node groups each pipeline rank runs on: distinct sub-clusters and, per rank, its index into them.
+
+    Pipeline rank ``r`` holds the contiguous ranks ``[r N/pp, (r+1) N/pp)`` (the mesh puts pp outermost), so
+    its tp / cp / ep / dp groups all lie in the groups those ranks span: the sub-cluster of those groups prices
+    its compute (its slowest accelerator), its collectives and its memory. One node group (or every rank in
+    the same groups): ``((cluster,), ())``, the cluster itself, and ``()`` meaning "every rank in part 0".
+    Memoized: the sub-clusters keep their identity, which the memos below key on."""
+    return _rank_clusters_cached(ByIdentity(cluster), int(pp))
+
+
+def _class_of(classes: tuple[int, ...], r: int) -> int:
+    return classes[r] if classes else 0
 
 
 def _layer_key(layer) -> tuple:
@@ -281,11 +330,29 @@ def _exposed(comm_s: float, window_s: float, k: StepConstants) -> float:
     return max(0.0, comm_s - window_s) + k.overlap_slowdown * min(comm_s, window_s)
 
 
+def _merged_chunk_arrays(parts: tuple[_CtxKey, ...], classes: tuple[int, ...],
+                         stage_layers: tuple[int, ...]) -> dict[str, np.ndarray]:
+    """Chunk arrays when pipeline ranks sit on different node groups: chunk ``c`` takes its values from the
+    layer context of rank ``c % pp``'s group (link kinds missing from a group's table are zero there)."""
+    n, pp = len(stage_layers), len(classes)
+    tables = [_chunk_arrays(k, stage_layers) for k in parts]
+    owner = np.array([classes[c % pp] for c in range(n)])
+    names = list(tables[0]) + sorted({key for t in tables[1:] for key in t} - set(tables[0]))
+    zero = np.zeros(n)
+    return {key: np.stack([t.get(key, zero) for t in tables])[owner, np.arange(n)] for key in names}
+
+
 @functools.lru_cache(maxsize=4096)
-def _chunk_sums(ctx_key: _CtxKey, stage_layers: tuple[int, ...]) -> tuple:
+def _chunk_sums(parts: tuple[_CtxKey, ...], classes: tuple[int, ...], stage_layers: tuple[int, ...]) -> tuple:
     """The chunk arrays, per chunk F and B (+ recompute) seconds with their comm, compute seconds and the
-    comm seconds per link kind (F + B): what ``_pipeline`` needs of the layers, whatever the schedule."""
-    ch = _chunk_arrays(ctx_key, stage_layers)
+    comm seconds per link kind (F + B): what ``_pipeline`` needs of the layers, whatever the schedule.
+
+    ``parts``: one layer context per node-group part of the cluster; ``classes``: per pipeline rank, its part
+    (``()``: all in part 0)."""
+    if classes:
+        ch = _merged_chunk_arrays(parts, classes, stage_layers)
+    else:
+        ch = _chunk_arrays(parts[0], stage_layers)
     n = len(stage_layers)
     kinds = sorted({key[3:] for key in ch if key.startswith(("cf:", "cb:"))})
     comm_f = {kd: ch.get(f"cf:{kd}", np.zeros(n)) for kd in kinds}
@@ -300,18 +367,20 @@ def _chunk_sums(ctx_key: _CtxKey, stage_layers: tuple[int, ...]) -> tuple:
 
 
 @functools.lru_cache(maxsize=4096)
-def _pipeline(ctx_key: _CtxKey, stage_layers: tuple[int, ...], *, schedule: str, pp: int, v: int, m: int,
-              dp: int) -> dict:
+def _pipeline(parts: tuple[_CtxKey, ...], classes: tuple[int, ...], cluster: ByIdentity,
+              stage_layers: tuple[int, ...], *, schedule: str, pp: int, v: int, m: int, dp: int) -> dict:
     """Per-chunk F / B / W seconds, the pipeline time and the busiest rank's split of its work.
 
-    Memoized (pure); callers copy ``parts`` before changing it and never write to the arrays."""
-    workload, cluster = ctx_key.workload.obj, ctx_key.cluster.obj
-    ch, tf, tb, compute, comm = _chunk_sums(ctx_key, stage_layers)
+    Memoized (pure); callers copy ``parts`` before changing it and never write to the arrays. The p2p hops
+    between ranks are priced on the whole ``cluster`` (they may cross node groups)."""
+    ctx_key = parts[0]
+    ch, tf, tb, compute, comm = _chunk_sums(parts, classes, stage_layers)
     tw = np.zeros(pp * v)
     if schedule == "zero-bubble":
         tw = ch["wgrad"]
         tb = tb - tw
-    p2p_kind, p2p = _p2p_s(workload, cluster, pp=pp, mb=ctx_key.microbatch, tp=ctx_key.tp, cp=ctx_key.cp, dp=dp)
+    p2p_kind, p2p = _p2p_s(ctx_key.workload.obj, cluster.obj, pp=pp, mb=ctx_key.microbatch, tp=ctx_key.tp,
+                           cp=ctx_key.cp, dp=dp)
     no_p2p, hops = pl._closed_form_terms(schedule, pp=pp, m=m, v=v, tf=tf, tb=tb, tw=tw)
     total = no_p2p + hops * p2p  # = pl._closed_form_s(..., p2p_s=p2p)
     per_rank = (tf + tb + tw).reshape(v, pp).sum(axis=0)
@@ -329,20 +398,21 @@ def _pipeline(ctx_key: _CtxKey, stage_layers: tuple[int, ...], *, schedule: str,
     return {"total_s": total, "per_rank_s": per_rank, "parts": parts, "p2p_kind": p2p_kind, "bwd_rank_s": bwd_rank}
 
 
-def _data_parallel(workload: Workload, cfg: ParallelConfig, cluster: Cluster, dense: np.ndarray,
-                   expert: np.ndarray, layers: np.ndarray, pipe: dict, m: int, k: StepConstants,
-                   device: Accelerator) -> dict:
-    """Exposed dp seconds and optimizer seconds: the slowest pipeline rank of each."""
-    memo: dict[tuple[float, float], tuple[str, float]] = {}
+def _data_parallel(workload: Workload, cfg: ParallelConfig, parts: tuple[Cluster, ...], classes: tuple[int, ...],
+                   dense: np.ndarray, expert: np.ndarray, layers: np.ndarray, pipe: dict, m: int,
+                   k: StepConstants) -> dict:
+    """Exposed dp seconds and optimizer seconds: the slowest pipeline rank of each, each rank's dp groups on
+    its own node groups (``parts[classes[r]]``) and its optimizer on its own device."""
+    memo: dict[tuple[float, float, int, int], tuple[str, float]] = {}
     exposed, kind = 0.0, ""
     dense_l, expert_l, bwd_l = dense.tolist(), expert.tolist(), pipe["bwd_rank_s"].tolist()
     layers_l = [int(x) for x in layers.tolist()]
     for r in range(cfg.pp):
-        key = (dense_l[r], expert_l[r], layers_l[r])
+        key = (dense_l[r], expert_l[r], layers_l[r], _class_of(classes, r))
         if key not in memo:
-            memo[key] = _dp_comm(workload.dtype_bytes, ByIdentity(cluster), key[0], key[1], m, k, dp=cfg.dp, cp=cfg.cp,
-                                 tp=cfg.tp, ep=cfg.ep, zero_stage=cfg.zero_stage, recompute=cfg.recompute,
-                                 layers=key[2])
+            memo[key] = _dp_comm(workload.dtype_bytes, ByIdentity(parts[key[3]]), key[0], key[1], m, k, dp=cfg.dp,
+                                 cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, zero_stage=cfg.zero_stage,
+                                 recompute=cfg.recompute, layers=key[2])
         lk, t = memo[key]
         if not cfg.overlap_grad_reduce:
             window = 0.0
@@ -359,8 +429,12 @@ def _data_parallel(workload: Workload, cfg: ParallelConfig, cluster: Cluster, de
     sharded = cfg.zero_stage >= 1
     shard = dense / (cfg.dp * cfg.cp if sharded else 1) + expert / (
         max(1, cfg.dp // cfg.ep) * cfg.cp if sharded else 1)
-    opt = op_time_s(flops=0.0, bytes_moved=float(shard.max()) * k.optimizer_bytes_per_param,
-                    op_class="elementwise", device=device, calibration=cluster.calibration)
+    owner = np.array(classes) if classes else np.zeros(cfg.pp, dtype=np.int64)
+    opt = 0.0
+    for c, part in enumerate(parts):  # the largest shard of each part, on that part's device
+        largest = float(shard[owner == c].max())
+        opt = max(opt, op_time_s(flops=0.0, bytes_moved=largest * k.optimizer_bytes_per_param,
+                                 op_class="elementwise", device=_device(part), calibration=part.calibration))
     return {"exposed_s": exposed, "kind": kind, "optimizer_s": opt}
 
 
@@ -445,15 +519,16 @@ def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_l
     else:
         stage_layers = tuple(int(x) for x in stage_layers)
         check_stage_layers(stage_layers, workload, chunks)
-    device = _device(cluster)
-    ctx_key = _CtxKey(workload=ByIdentity(workload), cluster=ByIdentity(cluster), microbatch=cfg.microbatch, tp=cfg.tp,
-                      cp=cfg.cp, ep=cfg.ep, sp=cfg.sequence_parallel and cfg.tp > 1, recompute=cfg.recompute,
-                      flash=cfg.flash_attention, constants=k)
+    clusters, classes = _rank_clusters(cluster, cfg.pp)
+    parts = tuple(_CtxKey(workload=ByIdentity(workload), cluster=ByIdentity(part), microbatch=cfg.microbatch,
+                          tp=cfg.tp, cp=cfg.cp, ep=cfg.ep, sp=cfg.sequence_parallel and cfg.tp > 1,
+                          recompute=cfg.recompute, flash=cfg.flash_attention, constants=k) for part in clusters)
     uniques, counts = _structure(workload, stage_layers)
-    pipe = _pipeline(ctx_key, stage_layers, schedule=cfg.schedule, pp=cfg.pp, v=cfg.virtual_stages, m=m, dp=cfg.dp)
+    pipe = _pipeline(parts, classes, ByIdentity(cluster), stage_layers, schedule=cfg.schedule, pp=cfg.pp,
+                     v=cfg.virtual_stages, m=m, dp=cfg.dp)
     dense, expert = _rank_params(workload, stage_layers, cfg)
     tr_per_rank, _ = _transformer_layers(ByIdentity(uniques), ByIdentity(counts), cfg.virtual_stages, cfg.pp)
-    dp = _data_parallel(workload, cfg, cluster, dense, expert, tr_per_rank, pipe, m, k, device)
+    dp = _data_parallel(workload, cfg, clusters, classes, dense, expert, tr_per_rank, pipe, m, k)
     breakdown = dict(pipe["parts"])
     if dp["exposed_s"] > 0:
         key = f"comm_{dp['kind']}"
@@ -463,17 +538,21 @@ def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_l
     terms, totals = _memory(workload, cfg, uniques, counts, dense, expert, m, mc)
     worst = int(np.argmax(totals))
     worst_mem = mem.MemoryEstimate(terms={key: float(val[worst]) for key, val in terms.items()})
-    limit_gb = min(g.node.gpu.memory_bytes for g in cluster.groups) / mem.GB
+    part_gb = [min(g.node.gpu.memory_bytes for g in part.groups) / mem.GB for part in clusters]
+    limits_gb = tuple(part_gb[_class_of(classes, r)] for r in range(cfg.pp))
+    fits = worst_mem.total_gb <= limits_gb[worst] and all(
+        t / mem.GB <= lim for t, lim in zip(totals.tolist(), limits_gb))
     model_f, hw_f = _flops(workload, stage_layers, cfg)
     n = cluster.num_devices
+    peak = sum(g.node.gpu.tflops("bf16") * g.node.gpus_per_node * g.count for g in cluster.groups)
     return StepEstimate(
         step_time_s=step_s,
         tokens_per_s=cfg.global_batch * workload.seq / step_s,
         model_tflops_per_gpu=model_f / step_s / n / 1e12,
         hw_tflops_per_gpu=hw_f / step_s / n / 1e12,
-        mfu=model_f / step_s / n / (device.tflops("bf16") * 1e12),
+        mfu=model_f / step_s / (peak * 1e12),
         memory_gb_per_device=worst_mem.total_gb,
-        fits=worst_mem.total_gb <= limit_gb,
+        fits=fits,
         breakdown_s=breakdown,
         memory_breakdown_gb=worst_mem.terms_gb(),
         bottleneck=max(breakdown, key=breakdown.__getitem__),
@@ -483,7 +562,9 @@ def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_l
         num_microbatches=m,
         stage_layers=stage_layers,
         memory=worst_mem,
-        memory_limit_gb=limit_gb,
+        memory_limit_gb=min(limits_gb),
+        stage_memory_limit_gb=limits_gb,
+        stage_device=tuple(_device(clusters[_class_of(classes, r)]).name for r in range(cfg.pp)),
     )
 
 

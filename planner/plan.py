@@ -113,9 +113,10 @@ class StagePlan:
     """Global ranks holding this chunk."""
     recompute: Recompute = "none"
     gpu: str = ""
-    """Accelerator of the node group the chunk is placed on."""
+    """Accelerator of the node group the chunk is placed on: the one its time was predicted on (on a
+    heterogeneous cluster each pipeline rank's ranks lie in one node group, and the cuts balance the groups)."""
     predicted_time_s: float = 0.0
-    """Forward + backward time of one micro-batch through this chunk."""
+    """Forward + backward time of one micro-batch through this chunk, on ``gpu``."""
     predicted_memory_gb: float = 0.0
     """Memory of each device of the chunk's pipeline rank (all its chunks together: the same on each of them)."""
 
@@ -302,9 +303,16 @@ def _check_consistency(plan: Plan) -> None:
     for m in plan.shardings:
         if m.style not in SHARDING_STYLES:
             errors.append(f"module {m.fqn}: unknown style {m.style!r}; allowed {SHARDING_STYLES}")
+    gpus = tuple(g for g in plan.cluster.gpu.split("+") if g)
+    rank_gpu: dict[int, str] = {}
     for st in plan.stages:
         if st.recompute not in RECOMPUTE:
             errors.append(f"stage {st.index}: recompute={st.recompute!r}; allowed {RECOMPUTE}")
+        if st.gpu and gpus and st.gpu not in gpus:
+            errors.append(f"stage {st.index}: gpu={st.gpu!r} is not in the cluster's accelerators {gpus}")
+        if st.gpu and rank_gpu.setdefault(st.pp_rank, st.gpu) != st.gpu:
+            errors.append(f"stage {st.index}: gpu={st.gpu!r} but pipeline rank {st.pp_rank}'s other chunks run "
+                          f"on {rank_gpu[st.pp_rank]!r}; a rank's chunks share its devices")
     if errors:
         raise PlanMismatchError("inconsistent plan: " + "; ".join(errors))
 

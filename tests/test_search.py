@@ -23,12 +23,15 @@ def _pow2(n):
 
 
 def brute_force(workload, cluster, global_batch, estimate, *, max_mb=16, max_cp=8, max_v=8, zeros=(0, 1, 2, 3),
-                schedules=("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"), config_type=ToyConfig):
+                schedules=("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"), config_type=ToyConfig,
+                pp_ok=lambda pp: True):
     """Every configuration and every cut, written from the rules, not from planner.search.space."""
     N, gpn, L = cluster.num_devices, cluster.gpus_per_node, len(workload.layers)
     best = None
     for tp, cp, pp in itertools.product(range(1, N + 1), repeat=3):
         if N % (tp * cp * pp) or not _pow2(tp) or tp > gpn or workload.heads % tp or not _pow2(cp) or cp > max_cp:
+            continue
+        if not pp_ok(pp):
             continue
         if cp > 1 and workload.seq % (2 * cp) or pp > workload.num_layers:
             continue
@@ -186,6 +189,26 @@ def test_search_equals_brute_force_under_the_step_model(node, layers, hidden, he
     assert res.best.step_time_s == pytest.approx(ref[0], rel=1e-9), (res.best.summary(), ref)
     if node.startswith("pcie"):
         assert res.best.structure.pp > 1 and not res.best.knobs.sequence_parallel
+
+
+@pytest.mark.parametrize("exhaustive_cuts", [0, 10**6])
+def test_search_equals_brute_force_on_a_heterogeneous_cluster(exhaustive_cuts):
+    """One 4-GPU A100 node and one 4-GPU H100 node: the search (its bounds, knob ladders and the stage DPs, or
+    every cut) equals every configuration and cut in which no pipeline rank straddles the two nodes."""
+    step, gpt_workload = _real()
+    from costmodel.hardware import Cluster
+
+    wl = gpt_workload(layers=4, hidden=2048, heads=16, vocab=51200, seq=2048, name="gpt-small")
+    a, h = (make_cluster(n, 1, gpus_per_node=4) for n in ("dgx-a100-80gb", "dgx-h100"))
+    cl = Cluster(name="a100+h100", groups=(a.groups[0], h.groups[0]))
+    ref = brute_force(wl, cl, 8, step.estimate_step, max_mb=2, max_v=2, config_type=None, zeros=(0,),
+                      pp_ok=lambda pp: 4 % (8 // pp) == 0)
+    opts = sp.SearchOptions(dp_margin=math.inf, dp_top_k=10**6, exhaustive_cuts=exhaustive_cuts, max_microbatch=2,
+                            max_virtual_stages=2, min_tokens_per_cp_rank=1, zero_stages=(0,))
+    res = driver.search(workload=wl, cluster=cl, global_batch=8, options=opts)
+    assert ref is not None and res.best.fits and res.status == "optimal"
+    assert res.best.step_time_s == pytest.approx(ref[0], rel=1e-9), (res.best.summary(), ref)
+    assert res.best.structure.pp > 1
 
 
 @pytest.mark.parametrize("layers,hidden,heads", [(8, 4096, 32), (36, 12288, 96)])

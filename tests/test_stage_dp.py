@@ -84,3 +84,52 @@ def test_large_instance_is_fast():
     sol = solve_stages(p)
     assert time.perf_counter() - t0 < 2.0
     assert sum(sol.stage_layers) == L
+
+
+# --- layer counts per chunk for interleaved / zero-bubble pipelines (planner.search.interleaved_dp) -----------
+
+
+def _random_count_problem(rng):
+    from planner.search.interleaved_dp import CountProblem
+
+    p, v = int(rng.integers(1, 4)), int(rng.integers(1, 4))
+    n = p * v + int(rng.integers(0, 6))
+    sparse = rng.random(p * v) < 0.5  # fixed chunk times (embedding, head) on some chunks only
+    return CountProblem(
+        num_layers=n, virtual_stages=v, layer_time_s=tuple(rng.uniform(0.3, 2.0, p)),
+        chunk_time_s=tuple(rng.uniform(0.0, 2.0, p * v) * sparse), pace=float(rng.integers(1, 9)),
+        bubble_weight=tuple(rng.uniform(0.0, 1.5, p)), rank_bytes=tuple(rng.uniform(0.0, 2.0, p)),
+        layer_bytes=tuple(rng.uniform(0.5, 1.5, p)), memory_limit_bytes=tuple(rng.uniform(1.0, 1.0 + 1.5 * n, p)),
+    )
+
+
+def test_count_dp_equals_brute_force_on_random_inputs():
+    from planner.search.interleaved_dp import brute_force_counts, evaluate_counts, solve_counts
+
+    rng = np.random.default_rng(99)
+    solved = infeasible = 0
+    for _ in range(300):
+        p = _random_count_problem(rng)
+        ref = brute_force_counts(p)
+        if ref is None:
+            with pytest.raises(InfeasiblePlanError, match="GB over its limit"):
+                solve_counts(p)
+            infeasible += 1
+            continue
+        sol = solve_counts(p)
+        assert sum(sol.chunk_layers) == p.num_layers and min(sol.chunk_layers) >= 1
+        assert sol.objective_s == pytest.approx(ref.objective_s, rel=1e-12)
+        assert evaluate_counts(p, sol.chunk_layers)[2]
+        solved += 1
+    assert solved > 100 and infeasible > 10
+
+
+def test_count_dp_balances_interleaved_ranks_of_different_speed():
+    """Rank 1 twice as fast, 2 chunks per rank: it takes about twice the layers, split over its chunks."""
+    from planner.search.interleaved_dp import CountProblem, solve_counts
+
+    p = CountProblem(num_layers=12, virtual_stages=2, layer_time_s=(2.0, 1.0), chunk_time_s=(0.0,) * 4, pace=8.0,
+                     bubble_weight=(1.0, 0.0), rank_bytes=(0.0, 0.0), layer_bytes=(1.0, 1.0),
+                     memory_limit_bytes=(100.0, 100.0))
+    sol = solve_counts(p)
+    assert sol.chunk_layers == (2, 4, 2, 4) and sol.rank_time_s == (8.0, 8.0)

@@ -38,7 +38,9 @@ def stage_plans(
 ) -> tuple[StagePlan, ...]:
     """One StagePlan per chunk: chunk ``c`` runs on pipeline rank ``c % pp``; ranks are row-major over
     (pp, dp, ep, cp, tp) so pipeline rank ``r`` holds the contiguous block ``[r * N/pp, (r + 1) * N/pp)``.
-    ``module_groups`` expands group names (``embedding``, ``head``) into the module FQNs they stand for."""
+    ``module_groups`` expands group names (``embedding``, ``head``) into the module FQNs they stand for.
+    ``gpu`` is the accelerator the step model priced the chunk's rank on (``stage_device``: its node group's,
+    the slowest one if the rank's devices straddle groups)."""
     s, est = candidate.structure, candidate.estimate
     per_rank = cluster.num_devices // s.pp
     groups = dict(module_groups or {})
@@ -46,6 +48,7 @@ def stage_plans(
     times = list(getattr(est, "stage_time_s", ()) or ())
     mems = list(getattr(est, "stage_memory_gb", ()) or ())
     chunk_times = _chunk_times(workload, candidate.stage_layers, times, s.pp)
+    devices = tuple(getattr(est, "stage_device", ()) or ())
     out, start = [], 0
     for c, n in enumerate(candidate.stage_layers):
         r = c % s.pp
@@ -56,7 +59,7 @@ def stage_plans(
             modules=tuple(m for group in names[start : start + n] for m in group),
             ranks=ranks,
             recompute=candidate.knobs.recompute,
-            gpu=cluster.group_of_rank(ranks[0]).node.gpu.name,
+            gpu=devices[r] if len(devices) == s.pp else cluster.group_of_rank(ranks[0]).node.gpu.name,
             predicted_time_s=chunk_times[c],
             predicted_memory_gb=float(mems[r]) if len(mems) == s.pp else float(est.memory_gb_per_device),
         ))

@@ -16,9 +16,11 @@ Phases (each timed in ``SolverStats.time_per_phase_s``):
    schedule's in-flight micro-batches), each priced again by the step model with its own knob ladder.
 
 ``status="optimal"`` means: every structure was screened or pruned by its bound, under the dominance rules of
-``space`` (each checked against the step model in ``tests/test_search.py``); uneven cuts are searched by the
-stage DP for 1F1B / GPipe pipelines (v = 1) among the ``dp_top_k`` best structures, interleaved chunks stay
-even unless ``exhaustive_cuts`` enumerates them.
+``space`` (each checked against the step model in ``tests/test_search.py``); uneven cuts are searched among the
+``dp_top_k`` best structures by the stage DP for GPipe / 1F1B pipelines (v = 1) and by the layer-count DP for
+interleaved 1F1B and zero-bubble (``cuts``; exact for identical transformer layers), or by ``exhaustive_cuts``
+enumeration. On a heterogeneous cluster each stage is priced on its own node group's accelerator, so the cuts
+give the faster groups more layers.
 5. ``intra_op``: the per-block sharding of the chosen configuration (engineer P1's ILP).
 
 Anytime: with ``time_limit_s`` the loop stops when the time is up (after at least one plan that fits) and the
@@ -39,7 +41,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from costmodel.errors import AutoparError, ConfigError, InfeasiblePlanError
 from planner.search import space as sp
-from planner.search.cuts import even_split, propose_cuts
+from planner.search.cuts import even_split, propose_cuts, propose_interleaved_cuts
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +133,14 @@ class _Ctx:
 
     @property
     def memory_limit_gb(self) -> float:
+        """The least device memory of the cluster (the error messages' figure)."""
         return min(g.node.gpu.memory_bytes for g in self.cluster.groups) / 1e9
+
+    @property
+    def largest_memory_gb(self) -> float:
+        """The largest device memory: what a pruning bound may compare with (on a heterogeneous cluster the
+        stages on the larger devices can take more layers)."""
+        return max(g.node.gpu.memory_bytes for g in self.cluster.groups) / 1e9
 
     def states_lower_bound_gb(self, structure: sp.Structure, zero_stage: int) -> float:
         """Weights + gradients + optimizer state of the average pipeline rank (the fullest holds at least that)
@@ -147,16 +156,29 @@ class _Ctx:
             terms = {k: terms[k] + ex[k] for k in terms}
         return memory_estimate(terms).total_gb
 
-    def layer_time_sum_s(self, structure: sp.Structure, knobs: sp.Knobs) -> float | None:
+    def layer_time_sum_s(self, structure: sp.Structure, knobs: sp.Knobs) -> tuple[float, float | None] | None:
         """Forward + backward seconds of one micro-batch through all layers (summed over pipeline ranks) for
         the structure's (tp, cp, ep, micro-batch) and the knobs' recomputation / sequence parallelism. The step
         model's layer times do not depend on pp, dp, the schedule or the cuts (tests check this), so one
-        estimate per group serves every structure in it."""
+        estimate per group serves every structure in it.
+
+        Returns ``(T, None)``, or on a heterogeneous cluster, whose ranks run at different speeds (and where
+        which ranks share a group depends on pp, so pp joins the key), ``(T, least)``: ``T`` as if the layers
+        were spread over the ranks in proportion to their speeds, ``least`` as if all ran at the fastest
+        rank's speed (``space.pipeline_lower_bound_s``)."""
         s = structure
         group = (s.tp, s.cp, s.ep, s.microbatch, knobs.recompute, knobs.sequence_parallel)
+        hetero = len(self.cluster.groups) > 1
+        group += (s.pp,) if hetero else ()
         if group not in self.group_time_s:
-            est = self.price(s, knobs, self.even_cuts(s))
-            self.group_time_s[group] = None if est is None else float(sum(est.stage_time_s))
+            cuts = self.even_cuts(s)
+            est = self.price(s, knobs, cuts)
+            if est is None:
+                self.group_time_s[group] = None
+            elif hetero:
+                self.group_time_s[group] = _speed_weighted_sums(self.workload, est, cuts, s.pp)
+            else:
+                self.group_time_s[group] = (float(sum(est.stage_time_s)), None)
         return self.group_time_s[group]
 
     def even_cuts(self, structure: sp.Structure) -> tuple[int, ...] | None:
@@ -167,17 +189,39 @@ class _Ctx:
         return self.deadline is not None and time.perf_counter() > self.deadline
 
 
+def _speed_weighted_sums(workload: Any, est: Any, cuts: Sequence[int], pp: int) -> tuple[float, float | None]:
+    """``(T, least)`` of ``layer_time_sum_s`` from one estimate of a heterogeneous cluster: each rank's speed
+    (FLOPs per second at the even cut; per accelerator the fastest of its ranks, so that the embedding's and
+    head's memory-bound time do not understate it) and the work of all ranks."""
+    times = [float(t) for t in est.stage_time_s]
+    devices = tuple(getattr(est, "stage_device", ()) or ())
+    if len(set(devices)) <= 1 or len(times) != pp:
+        return float(sum(times)), None
+    owner = [c % pp for c, n in enumerate(cuts) for _ in range(n)]
+    work = [0.0] * pp
+    for layer, r in zip(workload.layers, owner):
+        work[r] += float(layer.flops_fwd + layer.flops_bwd)
+    speed: dict[str, float] = {}
+    for r in range(pp):
+        if times[r] > 0:
+            speed[devices[r]] = max(speed.get(devices[r], 0.0), work[r] / times[r])
+    if len(speed) < len(set(devices)) or min(speed.values()) <= 0:
+        return float(sum(times)), None
+    total = sum(work)
+    return pp * total / sum(speed[d] for d in devices), total / max(speed.values())
+
+
 def _level_bound_s(ctx: _Ctx, structure: sp.Structure, knobs: Sequence[sp.Knobs], level: str) -> float:
     """Lower bound on the step time of ``structure`` with recomputation ``level`` (any zero stage, any cuts)."""
-    times = []
+    sums = []
     for sp_on in sorted({k.sequence_parallel for k in knobs if k.recompute == level}):
         probe = next(k for k in knobs if k.recompute == level and k.sequence_parallel == sp_on)
         t = ctx.layer_time_sum_s(structure, probe)
         if t is not None:
-            times.append(t)
-    if not times:
+            sums.append(t)
+    if not sums:
         return math.inf
-    return sp.pipeline_lower_bound_s(structure, layer_time_sum_s=min(times))
+    return min(sp.pipeline_lower_bound_s(structure, layer_time_sum_s=t, least_sum_s=least) for t, least in sums)
 
 
 def structure_bound_s(ctx: _Ctx, structure: sp.Structure) -> float:
@@ -219,7 +263,7 @@ def _best_knobs(
             if k.recompute != level or ((k.zero_stage, k.sequence_parallel) in fitted and not exhaustive):
                 continue
             states_gb = ctx.states_lower_bound_gb(structure, k.zero_stage)
-            if not exhaustive and states_gb > ctx.memory_limit_gb:
+            if not exhaustive and states_gb > ctx.largest_memory_gb:
                 ctx.least_infeasible_gb = min(ctx.least_infeasible_gb, states_gb)
                 continue  # the model states alone overflow the device, whatever is recomputed
             est = run(k)
@@ -264,11 +308,10 @@ def _screen(ctx: _Ctx, structures: list[sp.Structure], bounds: dict[sp.Structure
     return best, fitting, misses, explored, status, bound
 
 
-def _inflight(schedule: str, pp: int, m: int) -> list[float]:
-    from costmodel.pipeline import inflight_microbatches
+def _inflight(schedule: str, pp: int, m: int, v: int = 1) -> list[float]:
+    from costmodel.pipeline import inflight_array
 
-    return [float(inflight_microbatches(schedule, pp=pp, stage=r, num_microbatches=m, virtual_stages=1))
-            for r in range(pp)]
+    return [float(x) for x in inflight_array(schedule, pp=pp, num_microbatches=m, virtual_stages=v)]
 
 
 def _stage_dp(ctx: _Ctx, ranked: list[Candidate], misses: list[Candidate],
@@ -304,14 +347,16 @@ def _cut_proposals(ctx: _Ctx, c: Candidate) -> list[tuple[int, ...]]:
     if math.comb(n - 1, chunks - 1) <= ctx.options.exhaustive_cuts:
         return [tuple(b - a for a, b in zip((0, *inner), (*inner, n)))
                 for inner in itertools.combinations(range(1, n), chunks - 1)]
-    if s.virtual_stages != 1:
-        return []
-    proposal = propose_cuts(
-        layers=ctx.workload.layers, pp=s.pp, num_microbatches=s.num_microbatches,
-        inflight=_inflight(s.schedule, s.pp, s.num_microbatches),
-        memory_limit_gb=ctx.memory_limit_gb,
-        price=lambda cuts: _price_or_raise(ctx, s, c.knobs, cuts),
-    )
+    price = lambda cuts: _price_or_raise(ctx, s, c.knobs, cuts)  # noqa: E731
+    inflight = _inflight(s.schedule, s.pp, s.num_microbatches, s.virtual_stages)
+    if s.schedule in ("gpipe", "1f1b"):
+        proposal = propose_cuts(layers=ctx.workload.layers, pp=s.pp, num_microbatches=s.num_microbatches,
+                                inflight=inflight, memory_limit_gb=ctx.memory_limit_gb, price=price)
+    else:
+        proposal = propose_interleaved_cuts(
+            layers=ctx.workload.layers, pp=s.pp, virtual_stages=s.virtual_stages,
+            num_microbatches=s.num_microbatches, schedule=s.schedule, inflight=inflight,
+            memory_limit_gb=ctx.memory_limit_gb, price=price)
     return [] if proposal is None else [proposal.stage_layers]
 
 

@@ -5,10 +5,11 @@ Inputs are plain arrays; nothing here knows about models, configs or the cost mo
 Formulation (Zheng et al., Alpa, OSDI 2022, Eq. 2; FORMULAS.md "Unequal stages"). Layers ``0..L-1`` are cut
 into ``S`` contiguous, non-empty stages; stage ``s`` covers layers ``[c_s, c_{s+1})`` with ``c_0 = 0``,
 ``c_S = L``. With ``t[s, i]`` the forward + backward time of layer ``i`` for one micro-batch when placed on stage
-``s`` (stages may sit on different devices), ``o`` a per-stage overhead (pipeline send/recv) and ``m``
-micro-batches:
+``s`` (stages may sit on different devices: a heterogeneous cluster's faster groups get more layers), ``o_s``
+a per-stage overhead (pipeline send/recv; what always sits on the stage, such as the embedding of the first)
+and ``m`` micro-batches:
 
-    T_s       = o + sum_{i in stage s} t[s, i]
+    T_s       = o_s + sum_{i in stage s} t[s, i]
     objective = sum_s T_s + (m - 1) * max_s T_s                      (minimise)
     memory    : w_s + sum_{i in s} static[s, i] + inflight_s * sum_{i in s} act[s, i] <= limit_s   for all s
 
@@ -56,8 +57,10 @@ class StageProblem:
     """Per stage: micro-batches in flight at the stage's memory peak."""
     memory_limit_bytes: tuple[float, ...]
     """Per stage: device memory available."""
-    stage_overhead_s: float = 0.0
-    stage_overhead_bytes: float = 0.0
+    stage_overhead_s: tuple[float, ...] = ()
+    """Per stage: seconds added to the stage's time whatever its layers (``o_s``)."""
+    stage_overhead_bytes: tuple[float, ...] = ()
+    """Per stage: bytes added to the stage's memory whatever its layers (``w_s``)."""
 
     @property
     def num_stages(self) -> int:
@@ -87,10 +90,10 @@ def make_problem(
     num_microbatches: int,
     inflight: Sequence[float],
     memory_limit_bytes: float | Sequence[float],
-    stage_overhead_s: float = 0.0,
-    stage_overhead_bytes: float = 0.0,
+    stage_overhead_s: float | Sequence[float] = 0.0,
+    stage_overhead_bytes: float | Sequence[float] = 0.0,
 ) -> StageProblem:
-    """Build a ``StageProblem``; 1-D per-layer arrays are shared by all stages."""
+    """Build a ``StageProblem``; 1-D per-layer arrays are shared by all stages, scalar overheads and limits too."""
 
     def per_stage(a) -> tuple[tuple[float, ...], ...]:
         arr = np.asarray(a, dtype=float)
@@ -98,7 +101,10 @@ def make_problem(
             arr = np.broadcast_to(arr, (num_stages, arr.shape[0]))
         return tuple(tuple(float(x) for x in row) for row in arr)
 
-    lim = np.broadcast_to(np.asarray(memory_limit_bytes, dtype=float), (num_stages,))
+    def per_stage_scalar(a) -> tuple[float, ...]:
+        return tuple(float(x) for x in np.broadcast_to(np.asarray(a, dtype=float), (num_stages,)))
+
+    lim = per_stage_scalar(memory_limit_bytes)
     if len(inflight) != num_stages:
         raise ValueError(f"inflight has {len(inflight)} entries, expected num_stages={num_stages}")
     return StageProblem(
@@ -107,9 +113,9 @@ def make_problem(
         layer_act_bytes=per_stage(layer_act_bytes),
         num_microbatches=int(num_microbatches),
         inflight=tuple(float(x) for x in inflight),
-        memory_limit_bytes=tuple(float(x) for x in lim),
-        stage_overhead_s=float(stage_overhead_s),
-        stage_overhead_bytes=float(stage_overhead_bytes),
+        memory_limit_bytes=lim,
+        stage_overhead_s=per_stage_scalar(stage_overhead_s),
+        stage_overhead_bytes=per_stage_scalar(stage_overhead_bytes),
     )
 
 
@@ -129,14 +135,19 @@ class _Arrays:
     mem: np.ndarray  # (S, L+1, L+1)
 
 
+def _overhead(values: tuple[float, ...], s: int) -> float:
+    return values[s] if values else 0.0
+
+
 def _arrays(p: StageProblem) -> _Arrays:
     t = np.asarray(p.layer_time_s, dtype=float)
     st = np.asarray(p.layer_static_bytes, dtype=float)
     act = np.asarray(p.layer_act_bytes, dtype=float)
     times, mems = [], []
     for s in range(p.num_stages):
-        times.append(_segment_matrix(t[s]) + p.stage_overhead_s)
-        mems.append(_segment_matrix(st[s]) + p.inflight[s] * _segment_matrix(act[s]) + p.stage_overhead_bytes)
+        times.append(_segment_matrix(t[s]) + _overhead(p.stage_overhead_s, s))
+        mems.append(_segment_matrix(st[s]) + p.inflight[s] * _segment_matrix(act[s])
+                    + _overhead(p.stage_overhead_bytes, s))
     time = np.stack(times)
     mem = np.stack(mems)
     lim = np.asarray(p.memory_limit_bytes)[:, None, None]
@@ -174,8 +185,9 @@ def evaluate_cuts(p: StageProblem, stage_layers: Sequence[int]) -> StageSolution
     act = np.asarray(p.layer_act_bytes, dtype=float)
     i, times, mems = 0, [], []
     for s, n in enumerate(stage_layers):
-        times.append(p.stage_overhead_s + float(t[s, i : i + n].sum()))
-        mems.append(p.stage_overhead_bytes + float(st[s, i : i + n].sum()) + p.inflight[s] * float(act[s, i : i + n].sum()))
+        times.append(_overhead(p.stage_overhead_s, s) + float(t[s, i : i + n].sum()))
+        mems.append(_overhead(p.stage_overhead_bytes, s) + float(st[s, i : i + n].sum())
+                    + p.inflight[s] * float(act[s, i : i + n].sum()))
         i += n
     obj = sum(times) + (p.num_microbatches - 1) * max(times)
     return StageSolution(
