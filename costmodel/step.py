@@ -5,10 +5,10 @@
 1. Layer times for one micro-batch on one device (``costmodel.layer_time``): compute plus the tp / cp / ep
    collectives each layer puts on the critical path; recomputation adds a forward (full: with its tp
    collectives; selective: the attention core). Pipeline rank ``r`` holds the contiguous ranks
-   ``[r N / pp, (r + 1) N / pp)``; on a heterogeneous cluster each rank is priced on the node group that holds
-   them (its accelerator, its intra-node links, its GPU memory; ``_rank_clusters``), so a pipeline over an
-   A100 and an H100 group has faster H100 stages. A rank whose devices straddle groups runs at the pace of
-   the slowest of them, within the least memory.
+   ``[r N / pp, (r + 1) N / pp)``; on a heterogeneous cluster each rank is priced on the node group that
+   holds them (its accelerator, its intra-node links, its GPU memory; ``costmodel.rank_groups``), so a
+   pipeline over an A100 and an H100 group has faster H100 stages. A rank whose devices straddle groups
+   runs at the pace of the slowest of them, within the least memory.
 2. Chunks: ``stage_layers`` consecutive workload entries per pipeline chunk (even by default: transformer
    layers spread evenly, the embedding on the first chunk, the head on the last). Chunk ``c`` runs on pipeline
    rank ``c % pp``. Pipeline time from ``costmodel.pipeline`` closed forms, with the p2p send/recv of
@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from costmodel.memo import ByIdentity
+from costmodel.rank_groups import rank_clusters, slowest_device
 from costmodel import memory as mem
 from costmodel import pipeline as pl
 from costmodel.comm import CommEfficiency, DEFAULT_EFFICIENCY, Group, collective_time_s, ring_terms
@@ -112,42 +113,11 @@ def _even_stage_layers(kinds: list[str], chunks: int) -> tuple[int, ...]:
 
 
 def _device(cluster: Cluster) -> Accelerator:
-    """The slowest accelerator of a (part of a) cluster paces what runs on all its devices."""
-    return min((g.node.gpu for g in cluster.groups), key=lambda a: a.tflops("bf16"))
-
-
-@functools.lru_cache(maxsize=256)
-def _rank_clusters_cached(cluster: ByIdentity, pp: int) -> tuple[tuple[Cluster, ...], tuple[int, ...]]:
-    whole: Cluster = cluster.obj
-    if len(whole.groups) == 1:
-        return (whole,), ()
-    per_rank = whole.num_devices // pp
-    parts: list[Cluster] = []
-    index: dict[tuple[int, int], int] = {}
-    classes = []
-    for r in range(pp):
-        lo = whole.group_index_of_rank(r * per_rank)
-        hi = whole.group_index_of_rank((r + 1) * per_rank - 1)
-        if (lo, hi) not in index:
-            index[(lo, hi)] = len(parts)
-            whole_span = lo == 0 and hi == len(whole.groups) - 1
-            parts.append(whole if whole_span else Cluster(name=f"{whole.name}[{lo}]" if lo == hi else f"{whole.name}[{lo}-{hi}]",
-                                 groups=whole.groups[lo : hi + 1], calibration=whole.calibration))
-        classes.append(index[(lo, hi)])
-    if len(parts) == 1:
-        return (parts[0],), ()
-    return tuple(parts), tuple(classes)
+    return slowest_device(cluster)
 
 
 def _rank_clusters(cluster: Cluster, pp: int) -> tuple[tuple[Cluster, ...], tuple[int, ...]]:
-    """The node groups each pipeline rank runs on: distinct sub-clusters and, per rank, its index into them.
-
-    Pipeline rank ``r`` holds the contiguous ranks ``[r N/pp, (r+1) N/pp)`` (the mesh puts pp outermost), so
-    its tp / cp / ep / dp groups all lie in the groups those ranks span: the sub-cluster of those groups prices
-    its compute (its slowest accelerator), its collectives and its memory. One node group (or every rank in
-    the same groups): ``((cluster,), ())``, the cluster itself, and ``()`` meaning "every rank in part 0".
-    Memoized: the sub-clusters keep their identity, which the memos below key on."""
-    return _rank_clusters_cached(ByIdentity(cluster), int(pp))
+    return rank_clusters(cluster, pp)
 
 
 def _class_of(classes: tuple[int, ...], r: int) -> int:
