@@ -4,6 +4,8 @@ Also the uneven cuts of interleaved 1F1B and zero-bubble pipelines (``planner.se
 force over every cut under the step model."""
 
 import itertools
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +15,8 @@ from costmodel.profiles import make_cluster
 from costmodel.step import ParallelConfig, estimate_step
 from planner.search import driver
 from planner.search import space as sp
+
+sys.path.insert(0, str(Path(__file__).parent))
 
 
 def _two_groups(first: str, second: str, gpus_per_node: int = 4) -> Cluster:
@@ -135,3 +139,32 @@ def test_interleaved_and_zero_bubble_cuts_equal_brute_force(schedule, v):
     kinds = [layer.kind for layer in wl.layers]
     even = estimate_step(wl, cfg, cl, stage_layers=driver.even_split(kinds, 2 * v))
     assert best.step_time_s < 0.9 * even.step_time_s
+
+
+def test_plan_file_stage_gpu_is_the_priced_accelerator_and_is_checked_on_load(small_gpt):
+    """The plan's per-chunk ``gpu`` is the accelerator its rank was priced on; a plan file naming a GPU the
+    cluster lacks, or two GPUs for one pipeline rank's chunks, is refused on load."""
+    import dataclasses
+
+    from _plans import make_plan
+    from costmodel.errors import PlanMismatchError
+    from planner.plan import Plan
+    from planner.search.assemble import stage_plans
+
+    cl = _two_groups("dgx-a100-80gb", "dgx-h100")
+    res = driver.search(workload=small_gpt, cluster=cl, global_batch=16, fix="schedule=interleaved-1f1b,v=2,pp=2,tp=2")
+    stages = stage_plans(workload=small_gpt, cluster=cl, candidate=res.best)
+    assert [st.gpu for st in stages] == ["A100-SXM4-80GB", "H100-SXM5-80GB"] * 2
+    plan = make_plan(pp=2, tp=2, dp=2, gpu="A100-SXM4-80GB+H100-SXM5-80GB")
+    good = dataclasses.replace(plan, stages=tuple(
+        dataclasses.replace(st, gpu=("A100-SXM4-80GB", "H100-SXM5-80GB")[st.pp_rank]) for st in plan.stages))
+    assert Plan.from_dict(good.to_dict()) == good
+    unknown = dataclasses.replace(good, stages=(dataclasses.replace(good.stages[0], gpu="B200-SXM-180GB"),
+                                                *good.stages[1:]))
+    with pytest.raises(PlanMismatchError, match="not in the cluster's accelerators"):
+        Plan.from_dict(unknown.to_dict())
+    v2 = make_plan(pp=2, tp=2, dp=2, virtual_stages=2, gpu="A100-SXM4-80GB+H100-SXM5-80GB")
+    split = dataclasses.replace(v2, stages=tuple(
+        dataclasses.replace(st, gpu=("A100-SXM4-80GB", "H100-SXM5-80GB")[st.index // 2]) for st in v2.stages))
+    with pytest.raises(PlanMismatchError, match="a rank's chunks share its devices"):
+        Plan.from_dict(split.to_dict())
