@@ -12,8 +12,10 @@ Phases (each timed in ``SolverStats.time_per_phase_s``):
    dominance ladder of ``_best_knobs`` with even stages; the loop stops when a structure's lower bound
    reaches the best step time found (all later ones have larger bounds).
 4. ``stage_dp``: for the best pipelined structures (within ``dp_margin`` of the best, at most ``dp_top_k``,
-   bound below the best), the stage DP proposes uneven cuts (embedding and LM head weigh in, memory with the
-   schedule's in-flight micro-batches), each priced again by the step model with its own knob ladder.
+   bound below the best), the stage DP (GPipe / 1F1B) or the layer-count DP (interleaved 1F1B, zero-bubble)
+   proposes uneven cuts (embedding and LM head weigh in, each rank at its node group's speed, memory with the
+   schedule's in-flight micro-batches and each rank's own limit), each priced again by the step model with
+   its own knob ladder.
 
 ``status="optimal"`` means: every structure was screened or pruned by its bound, under the dominance rules of
 ``space`` (each checked against the step model in ``tests/test_search.py``); uneven cuts are searched among the

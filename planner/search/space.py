@@ -67,8 +67,8 @@ class SearchOptions:
     dp_margin: float = 0.25
     """... among those within this fraction of the best even-split step time."""
     exhaustive_cuts: int = 0
-    """Price every cut of the layer sequence when there are at most this many (exact for small models, also
-    for interleaved schedules, which the DP does not cut), else the stage DP (v = 1 only)."""
+    """Price every cut of the layer sequence when there are at most this many (exact for small models), else
+    the DPs of ``cuts`` (contiguous stage DP for GPipe / 1F1B, layer-count DP for interleaved / zero-bubble)."""
     num_alternatives: int = 5
     memory_headroom: float = 1.0
     """Fraction of device memory a plan may use (the cost model's ``fits``); 1.0 = the cost model's own."""
