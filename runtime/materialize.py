@@ -13,7 +13,6 @@ values, so a parallel run can be compared with it number for number.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import logging
 from typing import Callable
@@ -75,7 +74,10 @@ def _init_module_full(
     fqn: str, module: nn.Module, *, seed: int, hf_init: Callable | None, init_fn: InitFn | None
 ) -> dict[str, torch.Tensor]:
     """Full (unsharded) CPU tensors for the direct parameters and buffers of ``module``."""
-    clone = copy.copy(module)
+    # copy.copy without type(module).__new__: FSDP2's module class re-runs __init__ there (fails for modules
+    # whose __init__ takes arguments, e.g. an FSDP-wrapped MixtralExperts)
+    clone = object.__new__(type(module))
+    clone.__dict__.update(module.__dict__)
     clone._modules = {}
     clone._parameters = {
         k: None if v is None else nn.Parameter(_nan_like(v), requires_grad=v.requires_grad)
