@@ -13,9 +13,25 @@ A module the plan marks ``style="expert"`` (e.g. ``model.layers.0.mlp.experts``,
   adds them, weighted by the router, into the output. The router (``gate``) and everything else stay replicated.
 
 Gradients: the all-to-all backward delivers to each expert the gradient of every ep rank's local loss, a sum over
-the ep group; ``ExpertParallelModel.step`` then all-reduces expert gradients over the outer ``dp`` axis and divides
-by dp x ep, and averages every other gradient over the batch mesh (dp x ep): together the gradient of the global
-mean loss, as one process would compute it.
+the ep group; the forward scales the expert weights' gradient by 1/ep (``_ScaleGrad``), so each expert holds the
+mean over its ep group, and what is left is the plain data-parallel average over the ranks that hold the same
+experts, the outer ``dp`` axis: FSDP2's reduce-scatter under ZeRO 1-3 (``shard_expert_data_parallel``; a gradient
+divide factor of dp x ep would need PREMUL_SUM, which gloo lacks), ``sync_expert_grads`` under ZeRO 0. Every
+other gradient is averaged over the batch mesh (dp x ep). Together: the gradient of the global mean loss, as one
+process would compute it.
+
+Combinations (``apply_expert_plan``):
+
+- ZeRO 1-3: each experts module is its own FSDP2 unit over the outer ``dp`` axis (the ranks holding the same
+  experts; parameters 2-D DTensors (dp, ep)); layers and root are sharded over dp x ep as without experts.
+- tp > 1: the dense modules are tensor-parallel per the plan (``runtime.tensor_parallel``); the experts stay whole
+  on their ep rank and are replicated over tp, as is the router: every tp rank routes the same (replicated)
+  tokens and runs the same all-to-all within its own ep group (ranks with the same tp index), so expert and
+  router gradients need no reduction over tp. Each rank holds expert parameters / ep (as the planner's ``expert``
+  strategy counts them); the expert compute is repeated on the tp ranks. Sequence parallel is refused.
+- pp > 1: each pipeline chunk gets TP, experts and FSDP2 as the whole model would; the ep all-to-all runs among
+  the ranks of one pipeline stage (the ep axis is inside the pp axis), which run the same schedule.
+- cp > 1 is refused.
 """
 
 from __future__ import annotations
@@ -32,6 +48,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from costmodel.errors import ConfigError
 from planner.plan import Plan
+from runtime.tensor_parallel import apply_tensor_parallel
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +77,19 @@ def _dispatch(x: torch.Tensor, counts: torch.Tensor, group: Any) -> tuple[torch.
     return a2a_autograd(out, x, output_split_sizes=recv, input_split_sizes=send, group=group), send, recv
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; multiplies the gradient by ``scale`` in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
 def _ep_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
     group, ep, local_e = self._autopar_ep_group, self._autopar_ep, self._autopar_local_experts
@@ -76,6 +106,7 @@ def _ep_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch
                            input_split_sizes=send, group=group)
     gate_up = self.gate_up_proj.to_local() if isinstance(self.gate_up_proj, DTensor) else self.gate_up_proj
     down = self.down_proj.to_local() if isinstance(self.down_proj, DTensor) else self.down_proj
+    gate_up, down = _ScaleGrad.apply(gate_up, 1.0 / ep), _ScaleGrad.apply(down, 1.0 / ep)  # (docstring)
     out = torch.zeros_like(recv_x)
     for j in range(local_e):
         idx = (recv_e == j).nonzero().squeeze(1)
@@ -87,17 +118,23 @@ def _ep_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch
     return torch.zeros_like(hidden_states).index_add(0, token, contrib.to(hidden_states.dtype))
 
 
-def apply_expert_parallel(model: nn.Module, *, plan: Plan, mesh: DeviceMesh) -> list[str]:
-    """Shard the experts of every module the plan marks ``expert`` over ``mesh["ep"]``; their FQNs."""
+def apply_expert_parallel(model: nn.Module, *, plan: Plan, mesh: DeviceMesh, strict: bool = True) -> list[str]:
+    """Shard the experts of every module the plan marks ``expert`` over ``mesh["ep"]``; their FQNs.
+
+    ``strict=False`` skips plan entries whose module is not in ``model`` (a pipeline chunk holds some layers).
+    The experts stay whole on their ep rank and are replicated over tp (module docstring)."""
     ep_mesh = mesh["ep"]
     ep = ep_mesh.size()
     fqns = [m.fqn for m in plan.shardings if m.style == "expert"]
     if ep > 1 and not fqns:
         raise ConfigError(f"plan has ep={ep} but marks no module with style 'expert'")
+    done = []
     for fqn in fqns:
         try:
             module = model.get_submodule(fqn)
         except AttributeError:
+            if not strict:
+                continue
             raise ConfigError(f"plan shards experts of {fqn!r}, which is not in {type(model).__name__}") from None
         experts = _check_experts(fqn, module, ep)
         for name in EXPERT_PARAMS:
@@ -108,67 +145,165 @@ def apply_expert_parallel(model: nn.Module, *, plan: Plan, mesh: DeviceMesh) -> 
         module._autopar_ep = ep
         module._autopar_local_experts = experts // ep
         module.forward = _ep_forward.__get__(module, type(module))
-    log.info("expert parallel: %d expert modules over ep=%d", len(fqns), ep)
-    return fqns
+        done.append(fqn)
+    log.info("expert parallel: %d expert modules over ep=%d", len(done), ep)
+    return done
 
 
 def is_expert_param(name: str, expert_fqns: list[str]) -> bool:
     return any(name == f"{f}.{p}" for f in expert_fqns for p in EXPERT_PARAMS)
 
 
+def sync_expert_grads(named_params: Any, *, mesh: DeviceMesh, expert_fqns: list[str]) -> None:
+    """ZeRO 0: average gradients as one process would (module docstring). Expert gradients already hold the mean
+    over ep (all-to-all backward, scaled by 1/ep): averaged over the outer ``dp`` axis; every other
+    gradient (local shard of a TP DTensor, or a plain tensor) all-reduced over the batch mesh (dp x ep) and
+    averaged. Nothing is reduced over tp: experts and router see the same tokens on every tp rank."""
+    from runtime.mesh import batch_mesh
+
+    dp_outer = mesh["dp"]
+    batch = batch_mesh(mesh)
+    for name, p in named_params:
+        if p.grad is None:
+            continue
+        g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        if is_expert_param(name, expert_fqns):
+            if dp_outer.size() > 1:
+                dist.all_reduce(g, group=dp_outer.get_group())
+                g.div_(dp_outer.size())
+        elif batch.size() > 1:
+            dist.all_reduce(g, group=batch.get_group())
+            g.div_(batch.size())
+
+
 def _ep_model_class() -> type:
     from runtime.wrap import ParallelModel
 
     class ExpertParallelModel(ParallelModel):
-        """A ``ParallelModel`` whose ``step`` also synchronises gradients for expert parallel (module docstring)."""
+        """A ``ParallelModel`` whose ``step`` also synchronises gradients for expert parallel under ZeRO 0
+        (``sync_expert_grads``); under ZeRO 1-3 FSDP2 does it (``shard_expert_data_parallel``)."""
 
         expert_fqns: list[str] = []
+        manual_grad_sync: bool = True
 
         def step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
-            from runtime.mesh import batch_mesh
-
             loss = super().step(inputs, targets)
-            dp_outer, ep = self.mesh["dp"], self.mesh["ep"].size()
-            batch_group = batch_mesh(self.mesh).get_group() if self.dp_size > 1 else None
-            for name, p in self.named_parameters():
-                if p.grad is None:
-                    continue
-                if is_expert_param(name, self.expert_fqns):
-                    g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                    if dp_outer.size() > 1:
-                        dist.all_reduce(g, group=dp_outer.get_group())
-                    g.div_(dp_outer.size() * ep)
-                elif batch_group is not None:
-                    dist.all_reduce(p.grad, group=batch_group)
-                    p.grad.div_(self.dp_size)
+            if self.manual_grad_sync:
+                sync_expert_grads(self.named_parameters(), mesh=self.mesh, expert_fqns=self.expert_fqns)
             return loss
 
     return ExpertParallelModel
 
 
-def apply_expert_plan(model: nn.Module, plan: Plan, *, loss_fn: Any, seed: int = 0) -> Any:
-    """Apply a plan with ``ep > 1`` (and tp = pp = cp = 1, ZeRO 0): experts sharded over ep, the rest replicated
-    with gradients averaged over dp x ep; a ``ParallelModel`` (``ExpertParallelModel``)."""
-    from planner.plan import check_plan_matches
+def shard_expert_data_parallel(model: nn.Module, *, plan: Plan, mesh: DeviceMesh, expert_fqns: list[str]) -> None:
+    """ZeRO 1-3 with expert parallel, FSDP2 in place (ZeRO 1 runs as ZeRO 2, see ``runtime.data_parallel``).
+
+    Each experts module first gets its own ``fully_shard`` over the outer ``dp`` axis: the ranks that hold the
+    same experts (same ep index). Its parameters become 2-D DTensors (dp, ep); the reduce-scatter sums the
+    gradients over dp and divides by dp (the forward already scaled them to the mean over ep). Then ``apply_data_parallel`` shards the rest (layers and root) over
+    the batch mesh dp x ep and averages it there; the experts, already FSDP modules, are left to their own."""
+    from torch.distributed.fsdp import fully_shard
+
+    from runtime.data_parallel import apply_data_parallel
+
+    dp_mesh = mesh["dp"]
+    reshard = plan.zero_stage == 3
+    for fqn in expert_fqns:
+        fully_shard(model.get_submodule(fqn), mesh=dp_mesh, reshard_after_forward=reshard)
+    apply_data_parallel(model, plan=plan, mesh=mesh)
+
+
+def check_expert_plan(plan: Plan) -> None:
+    """Refuse (ConfigError) the ep > 1 plans this runtime cannot run, naming the degrees and the fix."""
+    d = plan.degrees
+    if d.dp % d.ep:
+        raise ConfigError(f"ep={d.ep} does not divide dp={d.dp}: ep is a sub-axis of the batch ranks; choose ep "
+                          f"dividing {d.dp}")
+    if d.cp > 1:
+        raise ConfigError(
+            f"expert parallel (ep={d.ep}) with context parallel (cp={d.cp}) is not run by this runtime: "
+            "re-plan with cp=1 (--fix cp=1)"
+        )
+    if d.tp > 1 and plan.sequence_parallel:
+        raise ConfigError(
+            f"expert parallel (ep={d.ep}) with tp={d.tp} and sequence_parallel is not run by this runtime (the "
+            "experts take tokens replicated over tp): re-plan with sequence_parallel off, or tp=1"
+        )
+    if plan.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"zero_stage={plan.zero_stage} must be 0, 1, 2 or 3")
+
+
+def _dense_plan(plan: Plan) -> Plan:
+    """The plan without its ``expert`` entries, for ``apply_tensor_parallel`` (which refuses them)."""
+    import dataclasses
+
+    return dataclasses.replace(plan, shardings=tuple(m for m in plan.shardings if m.style != "expert"))
+
+
+def _parallelize(
+    module: nn.Module, *, plan: Plan, mesh: DeviceMesh, device: torch.device, seed: int, strict: bool,
+    init_owner: nn.Module | None, loss_parallel_ok: bool | None,
+) -> tuple[nn.Module, list[str]]:
+    """TP on the dense modules, experts over ep, FSDP2 for ZeRO > 0, materialise: the module and its experts."""
     from runtime.materialize import materialize
+    from runtime.mesh import batch_mesh
+
+    apply_tensor_parallel(module, plan=_dense_plan(plan), mesh=mesh, strict=strict, loss_parallel_ok=loss_parallel_ok)
+    fqns = apply_expert_parallel(module, plan=plan, mesh=mesh, strict=strict)
+    if plan.zero_stage > 0 and batch_mesh(mesh).size() > 1:
+        shard_expert_data_parallel(module, plan=plan, mesh=mesh, expert_fqns=fqns)
+    if any(p.is_meta for p in module.parameters()):
+        materialize(module, device=device, seed=seed, init_owner=init_owner)
+    else:
+        module.to(device)
+    return module, fqns
+
+
+def apply_expert_plan(model: nn.Module, plan: Plan, *, loss_fn: Any, seed: int = 0) -> Any:
+    """Apply a plan with ``ep > 1``: experts sharded over ep (all-to-all dispatch), whole per ep rank and
+    replicated over tp; the dense modules tensor-parallel per the plan (tp > 1, no sequence parallel); data
+    parallel per the ZeRO stage (FSDP2 for ZeRO 1-3, gradients all-reduced by ``step`` for ZeRO 0); pipelined per
+    the plan's stages (pp > 1; the ep all-to-all runs among the ranks of one pipeline stage). cp > 1 is refused.
+    Returns a ``ParallelModel`` (``ExpertParallelModel``)."""
+    from planner.plan import check_plan_matches
     from runtime.mesh import build_mesh, init_distributed
     from runtime.wrap import fingerprint_of
 
     info = init_distributed()
     check_plan_matches(plan, fingerprint=fingerprint_of(model), world_size=dist.get_world_size())
-    d = plan.degrees
-    if d.tp > 1 or d.pp > 1 or d.cp > 1 or plan.zero_stage > 0:
-        raise ConfigError(
-            f"expert parallel runs with tp=pp=cp=1 and ZeRO 0 in this runtime; the plan has tp={d.tp} pp={d.pp} "
-            f"cp={d.cp} zero={plan.zero_stage}: re-plan with --fix tp=1,pp=1,zero=0"
-        )
+    check_expert_plan(plan)
     mesh = build_mesh(plan, device_type=info.device_type)
     device = torch.device("cuda", torch.cuda.current_device()) if info.device_type == "cuda" else torch.device("cpu")
-    fqns = apply_expert_parallel(model, plan=plan, mesh=mesh)
-    if any(p.is_meta for p in model.parameters()):
-        materialize(model, device=device, seed=seed)
+    cls = _ep_model_class()
+    if plan.degrees.pp > 1:
+        pm = _apply_pipelined(model, plan, mesh=mesh, loss_fn=loss_fn, seed=seed, device=device, cls=cls)
     else:
-        model.to(device)
-    pm = _ep_model_class()(module=model, plan=plan, mesh=mesh, loss_fn=loss_fn)
+        module, fqns = _parallelize(model, plan=plan, mesh=mesh, device=device, seed=seed, strict=True,
+                                    init_owner=None, loss_parallel_ok=None)
+        pm = cls(module=module, plan=plan, mesh=mesh, loss_fn=loss_fn)
+        pm.expert_fqns = fqns
+    pm.manual_grad_sync = plan.zero_stage == 0
+    return pm
+
+
+def _apply_pipelined(
+    model: nn.Module, plan: Plan, *, mesh: DeviceMesh, loss_fn: Any, seed: int, device: torch.device, cls: type
+) -> Any:
+    """pp > 1: each local chunk gets TP, EP and FSDP2 as the whole model would (``_parallelize``)."""
+    from runtime.pipeline import build_pipeline
+
+    if loss_fn is None:
+        raise ConfigError("a pipelined plan (pp > 1) needs loss_fn: the last stage computes the loss")
+    fqns: list[str] = []
+
+    def wrap_chunk(chunk: nn.Module) -> nn.Module:
+        # stage outputs cross the pipeline as plain tensors: gathered logits, not loss-parallel DTensors
+        chunk, chunk_fqns = _parallelize(chunk, plan=plan, mesh=mesh, device=device, seed=seed, strict=False,
+                                         init_owner=model, loss_parallel_ok=False)
+        fqns.extend(chunk_fqns)
+        return chunk
+
+    runner = build_pipeline(model, plan=plan, mesh=mesh, loss_fn=loss_fn, sync_dp_grads=False, wrap_chunk=wrap_chunk)
+    pm = cls(module=model, plan=plan, mesh=mesh, loss_fn=loss_fn, pipeline=runner)
     pm.expert_fqns = fqns
     return pm

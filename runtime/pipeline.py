@@ -228,14 +228,17 @@ def _groups(mesh: Any, plan: Plan) -> _Groups:
     if pp_size != plan.degrees.pp:
         raise PlanMismatchError(f"mesh pp axis has {pp_size} ranks but the plan has pp={plan.degrees.pp}")
     dp_size = mesh.size(names.index("dp")) if "dp" in names else 1
+    dp_group = mesh.get_group("dp") if dp_size > 1 else None
     if "ep" in names and mesh.size(names.index("ep")) > 1:
-        raise ConfigError("pipeline x expert parallel (ep > 1 with pp > 1) is not supported; use pp=1 or ep=1")
-    return _Groups(
-        pp=mesh.get_group("pp"),
-        pp_rank=mesh.get_local_rank("pp"),
-        dp=mesh.get_group("dp") if dp_size > 1 else None,
-        dp_size=dp_size,
-    )
+        # Expert parallel: the batch is split over dp x ep (ep is a sub-axis of the batch ranks), so the loss is
+        # averaged over that group. The ep all-to-all runs among the ranks of one pipeline stage (same pp
+        # index), which run the same schedule, micro-batch for micro-batch. Gradients: the caller's
+        # (runtime.expert_parallel: expert gradients are reduced over dp only), hence sync_dp_grads=False.
+        from runtime.mesh import batch_mesh
+
+        batch = batch_mesh(mesh)
+        dp_size, dp_group = batch.size(), batch.get_group()
+    return _Groups(pp=mesh.get_group("pp"), pp_rank=mesh.get_local_rank("pp"), dp=dp_group, dp_size=dp_size)
 
 
 def default_mesh(plan: Plan, *, device_type: str = "cpu") -> Any:
@@ -455,6 +458,11 @@ def build_pipeline(
     (TP / FSDP / materialisation by the caller); it must return a module with the same forward.
     """
     _check_stage_ranks(plan)
+    if plan.degrees.ep > 1 and sync_dp_grads:
+        raise ConfigError(
+            f"pipeline with ep={plan.degrees.ep}: expert gradients are reduced over dp only, which "
+            "sync_dp_grads does not know; apply the plan with runtime.expert_parallel.apply_expert_plan"
+        )
     if mesh is None:
         mesh = default_mesh(plan, device_type="cuda" if dist.get_backend() == "nccl" else "cpu")
     groups = _groups(mesh, plan)
