@@ -12,10 +12,12 @@ Dubey et al. 2024, Sec. 3.3.2) itself, the same on every backend:
   planner's ``cp_choices`` asks for ``2 cp | T``). Input ids, targets and position ids are split alike; the
   position ids are the global ones, so rotary and learned position embeddings see each token's true position.
 - Attention: the local K and V (after rotary) are all-gathered over the cp group, one collective per layer (K and V
-  stacked), and the local queries attend to all T keys under the mask ``key_pos <= query_pos`` (and
-  ``query_pos - key_pos < window`` for sliding-window models). The gather's backward sums every rank's gradient
-  of the gathered K / V and keeps this rank's slice: a reduce-scatter on NCCL, an all-reduce and a slice on gloo
-  (which has no reduce-scatter), twice the bytes.
+  stacked), not overlapped with compute. Each of the rank's two query chunks attends to the keys up to its own end
+  with a lower-right-aligned causal mask (SDPA with ``causal_lower_right``: no work on keys after the chunk, and
+  fused kernels stay usable on CUDA); sliding-window models use an explicit mask ``key_pos <= query_pos`` and
+  ``query_pos - key_pos < window`` over all T keys. The gather's backward sums every rank's gradient of the
+  gathered K / V and keeps this rank's slice: a reduce-scatter on NCCL, an all-reduce and a slice on gloo (which
+  has no reduce-scatter), twice the bytes.
 - Loss: each rank's ``loss_fn`` is the mean over its ``T / cp`` tokens (equal counts), so the mean over the cp
   ranks is the mean over all tokens. Gradients of replicated parameters are averaged over the dp x cp ranks (DDP /
   FSDP2 over ``runtime.mesh.grad_mesh``, the gradient and ZeRO group the cost model counts).
@@ -172,20 +174,60 @@ def cp_attention(
         )
     if attention_mask is not None and attention_mask.dtype == torch.bool and not bool(attention_mask.all()):
         raise ConfigError("context parallel runs unpadded causal LM batches only: drop the padding attention mask")
-    layout = ctx.layout
-    seq_len = query.shape[2] * layout.cp
-    kv = gather_sequence(torch.stack((key, value)), group=ctx.group, dim=3)  # (2, B, Hkv, T, D)
-    key, value = kv[0], kv[1]
-    if key.shape[1] != query.shape[1]:  # grouped-query attention: repeat the kv heads
-        rep = query.shape[1] // key.shape[1]
-        key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
-    q_pos = layout.positions(seq_len, device=query.device)[:, None]  # (Tq, 1)
-    k_pos = layout.gathered_positions(seq_len, device=query.device)[None, :]  # (1, T)
-    mask = k_pos <= q_pos  # (Tq, T), True = attend
-    if sliding_window is not None:
-        mask = mask & (q_pos - k_pos < sliding_window)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
+    kv = gather_sequence(torch.stack((key, value)), group=ctx.group, dim=3)  # (2, B, Hkv, T, D), rank order
+    out = attend_gathered(
+        query, kv, layout=ctx.layout, scaling=scaling, dropout=dropout, sliding_window=sliding_window
+    )
     return out.transpose(1, 2).contiguous(), None
+
+
+def attend_gathered(
+    query: torch.Tensor,
+    kv: torch.Tensor,
+    *,
+    layout: CPLayout,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of this rank's queries (B, H, T / cp, D) to the gathered ``kv`` (2, B, Hkv, T, D) in rank
+    order (what the all-gather returns); (B, H, T / cp, D). Pure: no communication."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    seq_len = query.shape[2] * layout.cp
+    if sliding_window is not None:  # explicit mask over all T keys
+        key, value = _repeat_kv(kv[0], kv[1], heads=query.shape[1])
+        q_pos = layout.positions(seq_len, device=query.device)[:, None]  # (Tq, 1)
+        k_pos = layout.gathered_positions(seq_len, device=query.device)[None, :]  # (1, T)
+        mask = (k_pos <= q_pos) & (q_pos - k_pos < sliding_window)  # (Tq, T), True = attend
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
+    kv = _sequence_order(kv, cp=layout.cp)
+    key, value = _repeat_kv(kv[0], kv[1], heads=query.shape[1])
+    chunk, r = seq_len // (2 * layout.cp), layout.rank
+    outs = []
+    for q_chunk, end in ((query[:, :, :chunk], (r + 1) * chunk), (query[:, :, chunk:], (2 * layout.cp - r) * chunk)):
+        # the chunk's last query is at position end - 1: it sees keys [0, end), lower-right aligned
+        outs.append(F.scaled_dot_product_attention(
+            q_chunk, key[:, :, :end], value[:, :, :end], attn_mask=causal_lower_right(chunk, end),
+            dropout_p=dropout, scale=scaling,
+        ))
+    return torch.cat(outs, dim=2)
+
+
+def _sequence_order(kv: torch.Tensor, *, cp: int) -> torch.Tensor:
+    """(2, B, H, T, D) gathered in rank order (rank r: chunks r, 2 cp - 1 - r) -> chunks in sequence order."""
+    two, b, h, t, d = kv.shape
+    parts = kv.view(two, b, h, cp, 2, t // (2 * cp), d)  # (.., rank, which half, chunk tokens, D)
+    ordered = torch.cat((parts[:, :, :, :, 0], parts[:, :, :, :, 1].flip(3)), dim=3)  # chunks 0..cp-1, cp..2cp-1
+    return ordered.reshape(two, b, h, t, d)
+
+
+def _repeat_kv(key: torch.Tensor, value: torch.Tensor, *, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped-query attention: repeat each kv head for its query heads."""
+    if key.shape[1] == heads:
+        return key, value
+    rep = heads // key.shape[1]
+    return key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
 
 
 def _register_attention() -> None:
@@ -251,5 +293,6 @@ def apply_context_parallel(model: nn.Module, *, plan: Plan, mesh: DeviceMesh) ->
     for module in attention:
         setattr(module, _CONTEXT_ATTR, context)
     model.config._attn_implementation = CP_ATTENTION
-    log.info("context parallel: cp=%d, rank %d holds positions %s of each chunk pair", cp, layout.rank, layout.rank)
+    log.info("context parallel: cp=%d, this rank holds sequence chunks %d and %d of %d", cp, layout.rank,
+             2 * cp - 1 - layout.rank, 2 * cp)
     return ContextParallel(layout=layout, adapter=adapter, group=context.group)
