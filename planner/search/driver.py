@@ -178,7 +178,7 @@ class _Ctx:
             if est is None:
                 self.group_time_s[group] = None
             elif hetero:
-                self.group_time_s[group] = _speed_weighted_sums(self.workload, est, cuts, s.pp)
+                self.group_time_s[group] = _speed_weighted_sums(self.workload, self.cluster, est, cuts, s.pp)
             else:
                 self.group_time_s[group] = (float(sum(est.stage_time_s)), None)
         return self.group_time_s[group]
@@ -191,24 +191,33 @@ class _Ctx:
         return self.deadline is not None and time.perf_counter() > self.deadline
 
 
-def _speed_weighted_sums(workload: Any, est: Any, cuts: Sequence[int], pp: int) -> tuple[float, float | None]:
+def _speed_weighted_sums(workload: Any, cluster: Any, est: Any, cuts: Sequence[int],
+                         pp: int) -> tuple[float, float | None]:
     """``(T, least)`` of ``layer_time_sum_s`` from one estimate of a heterogeneous cluster: each rank's speed
-    (FLOPs per second at the even cut; per accelerator the fastest of its ranks, so that the embedding's and
-    head's memory-bound time do not understate it) and the work of all ranks."""
+    (FLOPs per second at the even cut) and the work of all ranks.
+
+    An accelerator's speed is the fastest of its ranks that hold neither the embedding nor the head (their
+    memory-bound time would understate it). One whose ranks all hold one of them (the first or the last rank)
+    takes the larger of its own reading and any other rank's scaled by the ratio of dense peaks: an upper
+    bound when the step model's faster device gains at most its peak ratio, as it does, so the bound stays
+    below what any cut reaches."""
     times = [float(t) for t in est.stage_time_s]
     devices = tuple(getattr(est, "stage_device", ()) or ())
-    if len(set(devices)) <= 1 or len(times) != pp:
+    peak = {g.node.gpu.name: g.node.gpu.tflops("bf16") for g in cluster.groups}
+    if len(set(devices)) <= 1 or len(times) != pp or not set(devices) <= set(peak) or min(times) <= 0:
         return float(sum(times)), None
     owner = [c % pp for c, n in enumerate(cuts) for _ in range(n)]
     work = [0.0] * pp
     for layer, r in zip(workload.layers, owner):
         work[r] += float(layer.flops_fwd + layer.flops_bwd)
+    measured = [work[r] / times[r] for r in range(pp)]
     speed: dict[str, float] = {}
-    for r in range(pp):
-        if times[r] > 0:
-            speed[devices[r]] = max(speed.get(devices[r], 0.0), work[r] / times[r])
-    if len(speed) < len(set(devices)) or min(speed.values()) <= 0:
-        return float(sum(times)), None
+    for d in set(devices):
+        clean = [measured[r] for r in range(1, pp - 1) if devices[r] == d]
+        if clean:
+            speed[d] = max(clean)
+        else:
+            speed[d] = max(measured[r] * peak[d] / peak[devices[r]] for r in range(pp))
     total = sum(work)
     return pp * total / sum(speed[d] for d in devices), total / max(speed.values())
 
