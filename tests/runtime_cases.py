@@ -73,7 +73,7 @@ def gpt2_model(*, device: str = "meta") -> nn.Module:
 
     cfg = GPT2Config(
         vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, tie_word_embeddings=False,
+        attn_pdrop=0.0, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
     )
     with torch.device(device):
         return GPT2LMHeadModel(cfg)
