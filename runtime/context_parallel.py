@@ -282,7 +282,9 @@ def apply_context_parallel(model: nn.Module, *, plan: Plan, mesh: DeviceMesh) ->
     if cp == 1:
         return None
     if mesh["cp"].size() != cp:
-        raise ConfigError(f"mesh cp axis has {mesh['cp'].size()} ranks but the plan has cp={cp}: build the mesh from the plan")
+        raise ConfigError(
+            f"mesh cp axis has {mesh['cp'].size()} ranks but the plan has cp={cp}: build the mesh from the plan"
+        )
     adapter = adapter_for(model, purpose="context parallelism")
     attention = adapter.attention_modules(model)
     if not attention:
