@@ -6,7 +6,8 @@
 - 2 ranks: cp2 on Llama, OPT and GPT-2 (learned positions) and Mixtral with a sliding window, and cp2 through
   ``auto_wrap`` with a plan file;
 - 4 ranks: cp2 x dp2 (DDP over the dp x cp ranks), cp2 x tp2 with sequence parallel, and a cp2 x pp2 plan refused
-  on the live process group; marked slow (a second 4-rank start): cp2 x dp2 with ZeRO 3 (FSDP2 over dp x cp), cp4.
+  on the live process group; marked slow (a second 4-rank start): cp2 x dp2 and cp2 x tp2 with ZeRO 3 (FSDP2
+  over dp x cp), cp4.
 
 Each run trains ``runtime_cases.STEPS`` SGD-with-momentum steps; loss, every gathered gradient each step and the final
 parameters must equal the single-process model's (rtol=1e-4, atol=1e-5, ``runtime_cases``; the differences seen
@@ -35,6 +36,7 @@ CP4_CASES = [
 CP4_SLOW_CASES = [  # a second 4-rank start: together with CP4_CASES over 30 s on 2 cores
     ("opt cp2 x dp2 zero3", "opt", dict(cp=2, dp=2, zero_stage=3, microbatch_size=2)),
     ("opt cp4", "opt", dict(cp=4, microbatch_size=2)),
+    ("llama cp2 x tp2 zero3", "llama", dict(cp=2, tp=2, zero_stage=3, microbatch_size=2)),
 ]
 
 
