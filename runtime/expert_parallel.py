@@ -28,7 +28,8 @@ Combinations (``apply_expert_plan``):
   on their ep rank and are replicated over tp, as is the router: every tp rank routes the same (replicated)
   tokens and runs the same all-to-all within its own ep group (ranks with the same tp index), so expert and
   router gradients need no reduction over tp. Each rank holds expert parameters / ep (as the planner's ``expert``
-  strategy counts them); the expert compute is repeated on the tp ranks. Sequence parallel is refused.
+  strategy counts them); the expert compute is repeated on the tp ranks. Under sequence parallel the MoE block
+  gathers the sequence before the router and hands each tp rank its part back (``_gather_sequence_around``).
 - pp > 1: each pipeline chunk gets TP, experts and FSDP2 as the whole model would; the ep all-to-all runs among
   the ranks of one pipeline stage (the ep axis is inside the pp axis), which run the same schedule.
 - cp > 1 is refused.
@@ -36,8 +37,9 @@ Combinations (``apply_expert_plan``):
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -224,11 +226,6 @@ def check_expert_plan(plan: Plan) -> None:
             f"expert parallel (ep={d.ep}) with context parallel (cp={d.cp}) is not run by this runtime: "
             "re-plan with cp=1 (--fix cp=1)"
         )
-    if d.tp > 1 and plan.sequence_parallel:
-        raise ConfigError(
-            f"expert parallel (ep={d.ep}) with tp={d.tp} and sequence_parallel is not run by this runtime (the "
-            "experts take tokens replicated over tp): re-plan with sequence_parallel off, or tp=1"
-        )
     if plan.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"zero_stage={plan.zero_stage} must be 0, 1, 2 or 3")
 
@@ -240,6 +237,47 @@ def _dense_plan(plan: Plan) -> Plan:
     return dataclasses.replace(plan, shardings=tuple(m for m in plan.shardings if m.style != "expert"))
 
 
+@contextlib.contextmanager
+def _moe_blocks_detached(model: nn.Module, *, plan: Plan, detach: bool) -> Iterator[list[nn.Module]]:
+    """The MoE blocks (parents of the plan's experts modules) in ``model``, taken out of it for the duration.
+
+    Under sequence parallel ``apply_tensor_parallel`` refuses replicated parameters among the sequence-sharded
+    layers (their gradients would be per-rank partial sums); the MoE block is no such region: it runs on the
+    gathered sequence (``_gather_sequence_around``), so it is hidden from that check."""
+    taken: list[tuple[nn.Module, str, nn.Module]] = []
+    for m in plan.shardings:
+        if m.style != "expert":
+            continue
+        parent_fqn, _, leaf = m.fqn.rpartition(".")[0].rpartition(".")
+        try:
+            parent = model.get_submodule(parent_fqn)
+        except AttributeError:
+            continue  # not in this pipeline chunk
+        block = parent._modules.get(leaf)
+        if block is not None:
+            taken.append((parent, leaf, block))
+    try:
+        if detach:
+            for parent, leaf, _ in taken:
+                parent._modules[leaf] = None
+        yield [block for _, _, block in taken]
+    finally:
+        for parent, leaf, block in taken:
+            parent._modules[leaf] = block
+
+
+def _gather_sequence_around(blocks: list[nn.Module], *, tp_mesh: DeviceMesh) -> None:
+    """Sequence parallel: each MoE block gathers the sequence-sharded tokens (B, T/tp, H) -> (B, T, H), routes and
+    runs the experts on all of them (the same on every tp rank) and hands back this rank's part of the sequence.
+    Backward: the whole-sequence output gradient is all-gathered (so expert and router gradients are the same on
+    every tp rank, no reduction over tp), the input gradient sliced back."""
+    from runtime.tensor_parallel import _gather_sequence_hook, _scatter
+
+    for block in blocks:
+        block.register_forward_pre_hook(_gather_sequence_hook(tp_mesh), with_kwargs=True)
+        block.register_forward_hook(lambda _m, _args, out: _scatter(out, tp_mesh))
+
+
 def _parallelize(
     module: nn.Module, *, plan: Plan, mesh: DeviceMesh, device: torch.device, seed: int, strict: bool,
     init_owner: nn.Module | None, loss_parallel_ok: bool | None,
@@ -248,7 +286,12 @@ def _parallelize(
     from runtime.materialize import materialize
     from runtime.mesh import batch_mesh
 
-    apply_tensor_parallel(module, plan=_dense_plan(plan), mesh=mesh, strict=strict, loss_parallel_ok=loss_parallel_ok)
+    sp = plan.sequence_parallel and plan.degrees.tp > 1
+    with _moe_blocks_detached(module, plan=plan, detach=sp) as blocks:
+        apply_tensor_parallel(module, plan=_dense_plan(plan), mesh=mesh, strict=strict,
+                              loss_parallel_ok=loss_parallel_ok)
+    if sp:
+        _gather_sequence_around(blocks, tp_mesh=mesh["tp"])
     fqns = apply_expert_parallel(module, plan=plan, mesh=mesh, strict=strict)
     if plan.zero_stage > 0 and batch_mesh(mesh).size() > 1:
         shard_expert_data_parallel(module, plan=plan, mesh=mesh, expert_fqns=fqns)

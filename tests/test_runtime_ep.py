@@ -10,7 +10,8 @@ The mesh is (pp, dp/ep, ep, cp, tp); the batch is split over dp, which ep divide
 - 2 ranks, one spawn: ep2 (ZeRO 0: gradients all-reduced by ``step``), ep2 x ZeRO-2, ep2 x ZeRO-3 (dp = ep = 2:
   the outer dp axis is 1, each expert on one rank);
 - 4 ranks, one spawn (slow): dp4 x ep2 x ZeRO-3 (outer dp 2: each expert FSDP-sharded over the 2 ranks holding
-  it), ep2 x tp2 with ZeRO 0 and ZeRO-2 (attention and LM head TP, experts and router replicated over tp),
+  it), ep2 x tp2 with ZeRO 0 and ZeRO-2 (attention and LM head TP, experts and router replicated over tp) and
+  with sequence parallel and ZeRO-3 (the MoE block gathers the sequence),
   ep2 x pp2 (1F1B, 2 micro-batches) with ZeRO 0 and ZeRO-2 (the all-to-all among the 2 ranks of each stage).
 """
 
@@ -34,12 +35,13 @@ CASES_4 = {
     "dp4 ep2 zero3": dict(dp=4, ep=2, zero_stage=3),
     "ep2 tp2 zero0": dict(dp=2, ep=2, tp=2),
     "ep2 tp2 zero2": dict(dp=2, ep=2, tp=2, zero_stage=2),
+    "ep2 tp2 sp zero3": dict(dp=2, ep=2, tp=2, sequence_parallel=True, zero_stage=3),
     "ep2 pp2 zero0": dict(dp=2, ep=2, pp=2, num_microbatches=2),
     "ep2 pp2 zero2": dict(dp=2, ep=2, pp=2, zero_stage=2, num_microbatches=2),
 }
 # experts per rank (of 4) in the local shard of each expert parameter: ep splits them, FSDP over the outer dp too
 LOCAL_EXPERTS = {"ep2": 2, "ep2 zero2": 2, "ep2 zero3": 2, "dp4 ep2 zero3": 1, "ep2 tp2 zero0": 2,
-                 "ep2 tp2 zero2": 2, "ep2 pp2 zero0": 2, "ep2 pp2 zero2": 2}
+                 "ep2 tp2 zero2": 2, "ep2 tp2 sp zero3": 2, "ep2 pp2 zero0": 2, "ep2 pp2 zero2": 2}
 
 
 def ep_plan(model, *, dp: int, ep: int, tp: int = 1, pp: int = 1, zero_stage: int = 0, num_microbatches: int = 1,
@@ -114,7 +116,7 @@ def test_ep_four_ranks_matches_single_process(results_4, name):
 
 @pytest.mark.parametrize("kw, words", [
     (dict(dp=2, ep=2, cp=2), ["ep=2", "cp=2", "cp=1"]),
-    (dict(dp=2, ep=2, tp=2, sequence_parallel=True), ["ep=2", "tp=2", "sequence_parallel"]),
+    (dict(dp=3, ep=2), ["ep=2", "dp=3"]),
 ])
 def test_refused_combinations_name_degrees_and_fix(kw, words):
     from costmodel.errors import ConfigError
