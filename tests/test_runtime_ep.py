@@ -11,8 +11,9 @@ The mesh is (pp, dp/ep, ep, cp, tp); the batch is split over dp, which ep divide
   the outer dp axis is 1, each expert on one rank);
 - 4 ranks, one spawn (slow): dp4 x ep2 x ZeRO-3 (outer dp 2: each expert FSDP-sharded over the 2 ranks holding
   it), ep2 x tp2 with ZeRO 0 and ZeRO-2 (attention and LM head TP, experts and router replicated over tp) and
-  with sequence parallel and ZeRO-3 (the MoE block gathers the sequence),
-  ep2 x pp2 (1F1B, 2 micro-batches) with ZeRO 0 and ZeRO-2 (the all-to-all among the 2 ranks of each stage).
+  with sequence parallel and ZeRO-3 (the MoE block gathers the sequence), ep2 x pp2 (2 micro-batches; the
+  all-to-all among the 2 ranks of each stage) with 1F1B and ZeRO 0 / ZeRO-2, zero-bubble (ZB-H1) and ZeRO 0,
+  GPipe and ZeRO-3, interleaved 1F1B (2 chunks per rank) and ZeRO-2.
 """
 
 from __future__ import annotations
@@ -38,24 +39,38 @@ CASES_4 = {
     "ep2 tp2 sp zero3": dict(dp=2, ep=2, tp=2, sequence_parallel=True, zero_stage=3),
     "ep2 pp2 zero0": dict(dp=2, ep=2, pp=2, num_microbatches=2),
     "ep2 pp2 zero2": dict(dp=2, ep=2, pp=2, zero_stage=2, num_microbatches=2),
+    "ep2 pp2 zero-bubble": dict(dp=2, ep=2, pp=2, num_microbatches=2, schedule="zero-bubble"),
+    "ep2 pp2 gpipe zero3": dict(dp=2, ep=2, pp=2, zero_stage=3, num_microbatches=2, schedule="gpipe"),
+    "ep2 pp2 interleaved zero2": dict(dp=2, ep=2, pp=2, zero_stage=2, num_microbatches=2,
+                                      schedule="interleaved-1f1b", virtual_stages=2),
 }
 # experts per rank (of 4) in the local shard of each expert parameter: ep splits them, FSDP over the outer dp too
 LOCAL_EXPERTS = {"ep2": 2, "ep2 zero2": 2, "ep2 zero3": 2, "dp4 ep2 zero3": 1, "ep2 tp2 zero0": 2,
-                 "ep2 tp2 zero2": 2, "ep2 tp2 sp zero3": 2, "ep2 pp2 zero0": 2, "ep2 pp2 zero2": 2}
+                 "ep2 tp2 zero2": 2, "ep2 tp2 sp zero3": 2, "ep2 pp2 zero0": 2, "ep2 pp2 zero2": 2,
+                 "ep2 pp2 zero-bubble": 2, "ep2 pp2 gpipe zero3": 2, "ep2 pp2 interleaved zero2": 2}
 
 
 def ep_plan(model, *, dp: int, ep: int, tp: int = 1, pp: int = 1, zero_stage: int = 0, num_microbatches: int = 1,
-            sequence_parallel: bool = False, cp: int = 1):
-    """``manual_plan`` (Megatron TP styles when tp > 1) with ep (and cp) added and the experts marked ``expert``."""
-    from planner.plan import MeshSpec, ModuleSharding, ParallelDegrees
+            sequence_parallel: bool = False, cp: int = 1, schedule: str = "1f1b", virtual_stages: int = 1):
+    """``manual_plan`` (Megatron TP styles when tp > 1) with ep (and cp) added and the experts marked ``expert``.
+    ``virtual_stages=2`` (pp=2): 4 chunks, ``layers.0`` (with the embedding), ``layers.1``, ``norm``, ``lm_head``."""
+    from planner.plan import MeshSpec, ModuleSharding, ParallelDegrees, StagePlan
     from runtime.manual_plan import manual_plan
 
     base = manual_plan(model, tp=tp, dp=dp, pp=pp, zero_stage=zero_stage, sequence_parallel=sequence_parallel,
-                       microbatch_size=GLOBAL_BATCH // dp // num_microbatches, num_microbatches=num_microbatches)
+                       microbatch_size=GLOBAL_BATCH // dp // num_microbatches, num_microbatches=num_microbatches,
+                       schedule=schedule)
     degrees = ParallelDegrees(tp=tp, dp=dp, pp=pp, ep=ep, cp=cp)
     experts = tuple(ModuleSharding(fqn=f, style="expert") for f, _ in model.named_modules() if f.endswith("mlp.experts"))
-    return dataclasses.replace(base, degrees=degrees, mesh=MeshSpec.from_degrees(degrees),
+    plan = dataclasses.replace(base, degrees=degrees, mesh=MeshSpec.from_degrees(degrees),
                                shardings=base.shardings + experts)
+    if virtual_stages > 1:
+        units = ("model.layers.0", "model.layers.1", "model.norm", "lm_head")
+        stages = tuple(StagePlan(index=i, pp_rank=i % pp, modules=(u,), ranks=base.stages[i % pp].ranks)
+                       for i, u in enumerate(units))
+        plan = dataclasses.replace(plan, stages=stages,
+                                   schedule=dataclasses.replace(plan.schedule, virtual_stages=virtual_stages))
+    return plan
 
 
 def _run_cases(rank: int, world: int, cases: dict) -> dict:
