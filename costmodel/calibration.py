@@ -8,6 +8,13 @@ times over sizes and rank counts) plus fits that the cost model uses in place of
   (the same curve ``costmodel.compute`` uses with default constants).
 - ``CollectiveFit`` per op: the alpha-beta ring model ``t = steps(n) * latency_s + factor(n) * S / bus_bw``
   (``costmodel.comm.ring_terms``) fitted by least squares on relative error over every (ranks, bytes) point.
+- Framework dispatch time (CPU calibrations): the forward and backward of a decoder at negligible FLOPs
+  (hidden 16, a few tokens) with 1 and more layers, fitted to ``t = model + layers * layer`` per pass: the
+  Python / autograd / dispatcher time every op pays regardless of its size. On CPU this is a large part of a
+  small model's step (a Llama layer at hidden 256 spends about as long dispatching as multiplying).
+- ``cpu_cores``: rates are measured in one process (one thread); ``rank_share(ranks)`` is the share of one
+  core each of ``ranks`` busy processes gets (``min(1, cores / ranks)``), which ``costmodel.profiles`` applies
+  to a ``local`` node of that many ranks (4 fp32 matmul processes on 2 cores measured 44 of 88 GFLOP/s each).
 
 Files are JSON (``.json``) or TOML (``.toml``); both load with validation (``ProfileError`` naming the file
 and key). The measuring side lives in ``runtime/calibrate.py``; this module is pure.
@@ -18,7 +25,7 @@ from __future__ import annotations
 import json
 import math
 import tomllib
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +81,26 @@ class CollectivePoint:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class DispatchPoint:
+    """Forward and backward seconds of a decoder of ``layers`` layers at negligible FLOPs (framework time)."""
+
+    layers: int
+    fwd_s: float
+    bwd_s: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DispatchFit:
+    """Framework seconds per micro-batch pass: ``model_* + layers * layer_*`` (one process, one core)."""
+
+    layer_fwd_s: float
+    layer_bwd_s: float
+    model_fwd_s: float
+    """Embedding, final norm, LM head and loss: the part of a pass that does not repeat per layer."""
+    model_bwd_s: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class MatmulFit:
     dtype: str
     peak_tflops: float
@@ -126,7 +153,27 @@ class Calibration:
     threads_per_rank: int = 1
     torch_version: str = ""
     notes: str = ""
+    cpu_cores: int = 0
+    """Cores of the machine (CPU calibrations; 0: not recorded, ranks are not assumed to share cores)."""
+    concurrent_ranks: int = 1
+    """Processes that ran the matmul / memory / dispatch measurements at once; each rate is one process's
+    while all of them competed for the ``cpu_cores`` (so it describes ranks of a job of that size)."""
+    dispatch: tuple[DispatchPoint, ...] = ()
+    dispatch_fits: tuple[DispatchFit, ...] = ()
+    """Zero or one fit of ``dispatch`` (empty: no framework time is priced)."""
     schema_version: int = SCHEMA_VERSION
+
+    def rank_share(self, ranks: int) -> float:
+        """Rate of each of ``ranks`` busy processes relative to the measured one: ``min(1, cores / (ranks x
+        threads))`` over the same for ``concurrent_ranks`` (1 when the cores were not recorded)."""
+        if self.cpu_cores <= 0 or ranks <= 0:
+            return 1.0
+        share = lambda n: min(1.0, self.cpu_cores / (n * self.threads_per_rank))  # noqa: E731
+        return share(ranks) / share(max(1, self.concurrent_ranks))
+
+    @property
+    def dispatch_fit(self) -> DispatchFit | None:
+        return self.dispatch_fits[0] if self.dispatch_fits else None
 
     def matmul_fit(self, dtype: str) -> MatmulFit | None:
         for fit in self.matmul_fits:
@@ -211,6 +258,43 @@ def fit_collective(
     )
 
 
+def fit_dispatch(points: tuple[DispatchPoint, ...] | list[DispatchPoint]) -> DispatchFit:
+    """Least squares ``t = model + layers * layer`` per pass over points of >= 2 distinct layer counts; negative
+    intercepts (noise) clip to 0."""
+    counts = sorted({p.layers for p in points})
+    if len(counts) < 2:
+        raise ProfileError(f"dispatch needs points at >= 2 layer counts to separate per-layer time, got {counts}")
+    x = np.array([[1.0, float(p.layers)] for p in points])
+    out = []
+    for attr in ("fwd_s", "bwd_s"):
+        y = np.array([getattr(p, attr) for p in points])
+        model, layer = (float(v) for v in np.linalg.lstsq(x, y, rcond=None)[0])
+        if model < 0:
+            model, layer = 0.0, float(np.sum(x[:, 1] * y) / np.sum(x[:, 1] ** 2))
+        out += [max(layer, 0.0), model]
+    return DispatchFit(layer_fwd_s=out[0], model_fwd_s=out[1], layer_bwd_s=out[2], model_bwd_s=out[3])
+
+
+def shared_by(cal: Calibration, ranks: int) -> Calibration:
+    """``cal`` as each of ``ranks`` busy local ranks sees it: matmul and memory rates times
+    ``cal.rank_share(ranks)``, framework time divided by it (``cal`` itself when the cores suffice).
+
+    Collective fits are kept: they were measured with that many ranks running. Processor sharing: ranks that
+    wait (pipeline bubbles, collectives) leave their core to the others, which this uniform share ignores."""
+    share = cal.rank_share(ranks)
+    if share == 1.0:
+        return cal
+    fits = tuple(MatmulFit(dtype=f.dtype, peak_tflops=f.peak_tflops * share, dim_half=f.dim_half,
+                           flops_half=f.flops_half) for f in cal.matmul_fits)
+    dispatch = tuple(DispatchFit(layer_fwd_s=f.layer_fwd_s / share, layer_bwd_s=f.layer_bwd_s / share,
+                                 model_fwd_s=f.model_fwd_s / share, model_bwd_s=f.model_bwd_s / share)
+                     for f in cal.dispatch_fits)
+    note = (f"rates x {share:.3g}: {ranks} ranks x {cal.threads_per_rank} thread(s) on {cal.cpu_cores} cores, "
+            f"measured with {cal.concurrent_ranks}")
+    return replace(cal, matmul_fits=fits, membound_gbps=cal.membound_gbps * share, dispatch_fits=dispatch,
+                   notes=f"{cal.notes}; {note}" if cal.notes else note)
+
+
 LARGE_MEMBOUND_BYTES = 32e6
 """Sizes from here on stream from DRAM / HBM rather than from caches (training activations are larger)."""
 
@@ -238,6 +322,9 @@ def build_calibration(
     threads_per_rank: int = 1,
     torch_version: str = "",
     notes: str = "",
+    cpu_cores: int = 0,
+    concurrent_ranks: int = 1,
+    dispatch: tuple[DispatchPoint, ...] = (),
 ) -> Calibration:
     """A ``Calibration`` from raw measurements, with every fit computed."""
     dtypes = sorted({p.dtype for p in matmul})
@@ -263,6 +350,10 @@ def build_calibration(
         threads_per_rank=threads_per_rank,
         torch_version=torch_version,
         notes=notes,
+        cpu_cores=cpu_cores,
+        concurrent_ranks=concurrent_ranks,
+        dispatch=tuple(dispatch),
+        dispatch_fits=(fit_dispatch(dispatch),) if dispatch else (),
     )
     validate_calibration(cal, where="<measurements>")
     return cal
@@ -276,6 +367,8 @@ _POINT_TYPES = {
     "collectives": CollectivePoint,
     "matmul_fits": MatmulFit,
     "collective_fits": CollectiveFit,
+    "dispatch": DispatchPoint,
+    "dispatch_fits": DispatchFit,
 }
 
 
@@ -337,7 +430,7 @@ def calibration_from_dict(data: dict[str, Any], *, where: str = "<calibration>")
         cal = Calibration(**kwargs)
     except TypeError as e:  # pragma: no cover - all keys are filtered above
         raise ProfileError(f"{where}: {e}") from None
-    if not cal.matmul_fits and cal.matmul:
+    if (not cal.matmul_fits and cal.matmul) or (cal.dispatch and not cal.dispatch_fits):
         cal = _replace_fits(cal)
     validate_calibration(cal, where=where)
     return cal
@@ -348,6 +441,7 @@ def _replace_fits(cal: Calibration) -> Calibration:
         device_name=cal.device_name, accelerator=cal.accelerator, date=cal.date, backend=cal.backend,
         memory_gb=cal.memory_gb, matmul=cal.matmul, membound=cal.membound, collectives=cal.collectives,
         threads_per_rank=cal.threads_per_rank, torch_version=cal.torch_version, notes=cal.notes,
+        cpu_cores=cal.cpu_cores, concurrent_ranks=cal.concurrent_ranks, dispatch=cal.dispatch,
     )  # fmt: skip
 
 
@@ -360,6 +454,16 @@ def validate_calibration(cal: Calibration, *, where: str) -> None:
     _num(cal.memory_gb, where=where, key="memory_gb")
     _num(cal.membound_gbps, where=where, key="membound_gbps")
     _num(cal.threads_per_rank, where=where, key="threads_per_rank", integer=True)
+    _num(cal.cpu_cores, where=where, key="cpu_cores", integer=True, positive=False)
+    _num(cal.concurrent_ranks, where=where, key="concurrent_ranks", integer=True)
+    for i, p in enumerate(cal.dispatch):
+        here = f"{where}: dispatch[{i}]"
+        _num(p.layers, where=here, key="layers", integer=True, positive=False)
+        _num(p.fwd_s, where=here, key="fwd_s")
+        _num(p.bwd_s, where=here, key="bwd_s")
+    for i, f in enumerate(cal.dispatch_fits):
+        for key in ("layer_fwd_s", "layer_bwd_s", "model_fwd_s", "model_bwd_s"):
+            _num(getattr(f, key), where=f"{where}: dispatch_fits[{i}]", key=key, positive=False)
     for i, p in enumerate(cal.matmul):
         here = f"{where}: matmul[{i}]"
         for key in ("m", "n", "k"):

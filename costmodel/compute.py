@@ -14,6 +14,10 @@ Compute efficiency by op class:
 Memory efficiency by op class (fraction of HBM bandwidth a kernel of that class reaches) is a separate
 constant per class. A calibration of this accelerator (``calibration.accelerator == device.name``) replaces
 the matmul curve with its fitted ``MatmulFit`` and the memory rate with the measured memory-bound rate.
+
+Framework time (``dispatch_time_s``): what a pass pays per layer regardless of FLOPs (Python, autograd,
+dispatcher; measured on CPU by ``autopar calibrate``); zero without such a calibration (on GPUs kernels run
+asynchronously behind it).
 """
 
 from __future__ import annotations
@@ -167,6 +171,19 @@ def op_time_s(
         op_class=op_class, device=device, calibration=calibration, efficiency=efficiency
     )
     return max(t_compute, t_memory)
+
+
+def dispatch_time_s(*, part: str, device: Accelerator, calibration: Calibration | None = None) -> tuple[float, float]:
+    """(forward, backward) framework seconds of one micro-batch pass of a decoder ``layer`` or of the ``model``'s
+    non-repeating part (embedding, final norm, head, loss): the calibration's ``DispatchFit``, else zero."""
+    if part not in ("layer", "model"):
+        raise ConfigError(f"dispatch part {part!r}; use 'layer' or 'model'")
+    if calibration is None or calibration.accelerator != device.name or calibration.dispatch_fit is None:
+        return 0.0, 0.0
+    fit = calibration.dispatch_fit
+    if part == "layer":
+        return fit.layer_fwd_s, fit.layer_bwd_s
+    return fit.model_fwd_s, fit.model_bwd_s
 
 
 def matmul_time_s(

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from costmodel.comm import Group, collective_time_s
-from costmodel.compute import matmul_time_s, op_time_s
+from costmodel.compute import dispatch_time_s, matmul_time_s, op_time_s
 from costmodel.hardware import Accelerator, Cluster
 from costmodel.workload import LayerWork, Workload
 
@@ -164,8 +164,9 @@ def transformer_time(c: LayerCtx, layer: LayerWork) -> LayerTime:
                            + k.elementwise_ffn_bytes * w.ffn_hidden * (2 if w.glu else 1) / c.tp)
     t_elem = op_time_s(flops=0.0, bytes_moved=elem_bytes, op_class="elementwise", device=c.device,
                        calibration=c.cluster.calibration)
-    fwd = t_gemm + t_attn_f + t_elem
-    bwd = 2.0 * t_gemm + t_attn_b + 2.0 * t_elem
+    d_f, d_b = dispatch_time_s(part="layer", device=c.device, calibration=c.cluster.calibration)
+    fwd = t_gemm + t_attn_f + t_elem + d_f
+    bwd = 2.0 * t_gemm + t_attn_b + 2.0 * t_elem + d_b
     comm_f: dict[str, float] = {}
     comm_b: dict[str, float] = {}
     kind, t_tp = _tp_comm(c, tokens)
@@ -217,12 +218,13 @@ def head_time(c: LayerCtx, layer: LayerWork) -> LayerTime:
     t_mm = flops * per_flop
     logits = tokens * vt * 4.0 * 3  # fp32 softmax / cross-entropy: read, write, read again
     t_loss = op_time_s(flops=0.0, bytes_moved=logits, op_class="reduction", device=c.device, calibration=cal)
+    d_f, d_b = dispatch_time_s(part="model", device=c.device, calibration=cal)  # with the embedding's, on CPU
     comm: dict[str, float] = {}
     if c.tp > 1 and c.sp:  # gather the sequence-sharded hidden states before the head
         cc = collective_time_s("all_gather", tokens * w.hidden * w.dtype_bytes, Group(size=c.tp, stride=1),
                                c.cluster)
         _add(comm, cc.link_kind, cc.time_s)
-    return LayerTime(fwd_s=t_mm + t_loss, bwd_s=2.0 * t_mm + t_loss, wgrad_s=t_mm, recompute_s=0.0,
+    return LayerTime(fwd_s=t_mm + t_loss + d_f, bwd_s=2.0 * t_mm + t_loss + d_b, wgrad_s=t_mm, recompute_s=0.0,
                      comm_fwd=comm, comm_bwd=dict(comm), comm_recompute={})
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from costmodel.calibration import Calibration, load_calibration
+from costmodel.calibration import Calibration, load_calibration, shared_by
 from costmodel.errors import ProfileError
 from costmodel.hardware import (
     DTYPES,
@@ -267,8 +267,9 @@ def _positive_int(value: Any, what: str, fix: str) -> int:
 def local_node_type(*, gpus_per_node: int, calibration: Calibration | None = None) -> NodeType:
     """``local``: ``gpus_per_node`` CPU processes on this machine; measured rates when calibrated.
 
-    With a calibration the accelerator's peak is the fitted matmul peak per dtype, its memory bandwidth the
-    measured memory-bound rate, and the loopback link's bandwidth / latency the all-reduce fit (the comm model
+    With a calibration (already ``costmodel.calibration.shared_by`` the ranks when they outnumber the cores,
+    as ``make_cluster`` passes it) the accelerator's peak is the fitted matmul peak per dtype, its memory
+    bandwidth the measured memory-bound rate, and the loopback link's bandwidth / latency the all-reduce fit (the comm model
     uses the per-op fits directly). Without one, the conservative defaults of ``profiles/``.
     """
     base = get_node_type(LOCAL)
@@ -301,7 +302,9 @@ def make_cluster(
     if gpus_per_node is not None:
         _positive_int(gpus_per_node, "gpus_per_node", "pass --gpus-per-node N with N >= 1")
     if node_type.strip().lower() == LOCAL:
-        node = local_node_type(gpus_per_node=gpus_per_node or get_node_type(LOCAL).gpus_per_node, calibration=calibration)
+        gpn = gpus_per_node or get_node_type(LOCAL).gpus_per_node
+        calibration = shared_by(calibration, gpn) if calibration is not None else None
+        node = local_node_type(gpus_per_node=gpn, calibration=calibration)
     else:
         node = get_node_type(node_type)
         if gpus_per_node is not None and gpus_per_node != node.gpus_per_node:
@@ -342,7 +345,10 @@ def load_cluster_file(path: str | Path, *, calibration: Calibration | None = Non
         count = t.number("count", integer=True)
         gpn = t.number("gpus_per_node", required=False, integer=True)
         if name.lower() == LOCAL:
-            node = local_node_type(gpus_per_node=gpn or get_node_type(LOCAL).gpus_per_node, calibration=calibration)
+            gpn = gpn or get_node_type(LOCAL).gpus_per_node
+            if calibration is not None and not any(g.node.name == LOCAL for g in groups):
+                calibration = shared_by(calibration, gpn)  # the local ranks of the first local group share cores
+            node = local_node_type(gpus_per_node=gpn, calibration=calibration)
         else:
             if name not in db.nodes:
                 t.fail(f"key 'node' = {name!r} is not a known node type; known: {', '.join(sorted(db.nodes))}")

@@ -6,6 +6,9 @@ datasheet numbers.
 
 - Matmuls and the memory-bound op (``out = a + b``) run in this process with ``threads_per_rank`` threads
   (the runtime's ranks run with 1 thread each), best of a few timed blocks.
+- Framework (dispatch) time, CPU only: forward and backward of a decoder at negligible FLOPs (``dispatch_model``
+  builds it with 1 and 3 layers; the CLI passes a Llama-style decoder at hidden 16 over 8 tokens), best of a few
+  timed passes, in this process.
 - Collectives run among 2..N spawned processes (``gloo`` on CPU, ``nccl`` with one GPU per rank when CUDA has
   enough devices); each point is the slowest rank's mean time over a timed loop after warm-up.
 """
@@ -30,6 +33,7 @@ from costmodel.calibration import (
     COLLECTIVE_OPS,
     Calibration,
     CollectivePoint,
+    DispatchPoint,
     MatmulPoint,
     MemboundPoint,
     build_calibration,
@@ -137,6 +141,8 @@ class DeviceInfo:
     memory_gb: float
     backend: str
     max_ranks: int
+    cpu_cores: int = 0
+    """Cores the ranks share (CPU; 0 on CUDA, where each rank has its own device)."""
 
 
 def detect_device() -> DeviceInfo:
@@ -151,7 +157,7 @@ def detect_device() -> DeviceInfo:
     cores = os.cpu_count() or 1
     return DeviceInfo(
         device="cpu", device_name=f"{cpu_name()} ({cores} cores)", accelerator="cpu-local",
-        memory_gb=_host_memory_gb(), backend="gloo", max_ranks=64,
+        memory_gb=_host_memory_gb(), backend="gloo", max_ranks=64, cpu_cores=cores,
     )  # fmt: skip
 
 
@@ -163,17 +169,31 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _time_call(fn: Callable[[], Any], *, device: str, min_time_s: float, blocks: int = 7) -> float:
+def _time_call(fn: Callable[[], Any], *, device: str, min_time_s: float, blocks: int = 7, barrier: Any = None) -> float:
     """Seconds per call: best of ``blocks`` timed loops, each long enough to reach ``min_time_s / blocks``.
 
     The best (not the mean) because on a shared machine other processes only ever slow a loop down; many
-    short loops catch the moments this process had a core to itself."""
+    short loops catch the moments this process had a core to itself. With a ``barrier`` (``concurrent`` ranks
+    measuring together) every block starts when all processes do and runs for the same wall time, and the
+    median block counts: each process's rate while all of them compete, as in a training step."""
     fn()
     _sync(device)
     t0 = time.perf_counter()
     fn()
     _sync(device)
     once = max(time.perf_counter() - t0, 1e-7)
+    if barrier is not None:
+        # windows well above the scheduler's time slice (~4 ms), so each process's share averages out
+        window, per_call = max(min_time_s / blocks, 3 * once, CONCURRENT_WINDOW_S), []
+        for _ in range(blocks):
+            barrier.wait()
+            t0, calls = time.perf_counter(), 0
+            while time.perf_counter() - t0 < window:
+                fn()
+                calls += 1
+            _sync(device)
+            per_call.append((time.perf_counter() - t0) / calls)
+        return sorted(per_call)[len(per_call) // 2]
     reps = max(1, int(min_time_s / blocks / once))
     best = float("inf")
     for _ in range(blocks):
@@ -195,7 +215,8 @@ def _shapes_for(plan: CalibrationPlan, dtype: str, device: str) -> tuple[tuple[i
     return plan.matmul_shapes
 
 
-def measure_matmul(plan: CalibrationPlan, *, device: str, progress: Callable[[], None]) -> list[MatmulPoint]:
+def measure_matmul(plan: CalibrationPlan, *, device: str, progress: Callable[[], None],
+                   barrier: Any = None) -> list[MatmulPoint]:
     points = []
     for dtype in plan.dtypes:
         torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
@@ -203,22 +224,131 @@ def measure_matmul(plan: CalibrationPlan, *, device: str, progress: Callable[[],
             a = torch.randn(m, k, device=device).to(_TORCH_DTYPES[dtype])
             b = torch.randn(k, n, device=device).to(_TORCH_DTYPES[dtype])
             out = torch.empty(m, n, device=device, dtype=_TORCH_DTYPES[dtype])
-            t = _time_call(lambda: torch.matmul(a, b, out=out), device=device, min_time_s=plan.min_time_s)
+            t = _time_call(lambda: torch.matmul(a, b, out=out), device=device, min_time_s=plan.min_time_s,
+                           barrier=barrier)
             points.append(MatmulPoint(m=m, n=n, k=k, dtype=dtype, time_s=t))
             progress()
     return points
 
 
-def measure_membound(plan: CalibrationPlan, *, device: str, progress: Callable[[], None]) -> list[MemboundPoint]:
+def measure_membound(plan: CalibrationPlan, *, device: str, progress: Callable[[], None],
+                     barrier: Any = None) -> list[MemboundPoint]:
     points = []
     for nbytes in plan.membound_bytes:
         numel = max(1, nbytes // 12)  # fp32 a + b -> out: read 2, write 1
         a, b = torch.rand(numel, device=device), torch.rand(numel, device=device)
         out = torch.empty_like(a)
-        t = _time_call(lambda: torch.add(a, b, out=out), device=device, min_time_s=plan.min_time_s)
+        t = _time_call(lambda: torch.add(a, b, out=out), device=device, min_time_s=plan.min_time_s, barrier=barrier)
         points.append(MemboundPoint(nbytes=float(numel * 12), time_s=t))
         progress()
     return points
+
+
+CONCURRENT_WINDOW_S = 0.1
+"""Shortest timed window per block when processes measure together."""
+DISPATCH_LAYERS = (1, 4)
+DISPATCH_TOKENS = 8
+
+
+def measure_dispatch(
+    build: Callable[[int], torch.nn.Module], *, min_time_s: float, progress: Callable[[], None],
+    layers: tuple[int, ...] = DISPATCH_LAYERS, barrier: Any = None,
+) -> list[DispatchPoint]:
+    """Forward and backward seconds of ``build(n)`` (a causal LM over ``DISPATCH_TOKENS`` tokens, tiny width) for
+    each ``n`` in ``layers``, so the time is the framework's, not the arithmetic's (backward = forward +
+    backward - forward)."""
+    points = []
+    for n in layers:
+        model = build(n)
+        vocab = model.get_input_embeddings().num_embeddings
+        ids = torch.randint(0, vocab, (1, DISPATCH_TOKENS + 1), generator=torch.Generator().manual_seed(0))
+        inputs, targets = ids[:, :-1], ids[:, 1:]
+
+        def forward() -> torch.Tensor:
+            out = model(inputs)
+            logits = out.logits if hasattr(out, "logits") else out
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+        def forward_backward() -> None:
+            model.zero_grad(set_to_none=True)
+            forward().backward()
+
+        fwd = _time_call(forward, device="cpu", min_time_s=min_time_s, barrier=barrier)
+        both = _time_call(forward_backward, device="cpu", min_time_s=min_time_s, barrier=barrier)
+        points.append(DispatchPoint(layers=n, fwd_s=fwd, bwd_s=max(both - fwd, 1e-9)))
+        progress()
+    return points
+
+
+def _compute_worker(rank: int, plan: CalibrationPlan, dispatch_model: Any, barrier: Any, results: Any) -> None:
+    """One of ``concurrent`` processes running the compute sweep in step with the others (CPU)."""
+    torch.set_num_threads(plan.threads_per_rank)
+    try:
+        tick = (lambda: results.put(("tick", None))) if rank == 0 else (lambda: None)
+        matmul = measure_matmul(plan, device="cpu", progress=tick, barrier=barrier)
+        membound = measure_membound(plan, device="cpu", progress=tick, barrier=barrier)
+        dispatch = []
+        if dispatch_model is not None:
+            dispatch = measure_dispatch(dispatch_model, min_time_s=plan.min_time_s, progress=tick, barrier=barrier)
+        results.put(("done", (rank, matmul, membound, dispatch)))
+    except Exception:  # reported to the parent, which raises it
+        barrier.abort()
+        results.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
+
+
+def _slowest(per_rank: list[list]) -> list:
+    """Per point, the measurement of the slowest process (a synchronous step waits for it)."""
+    return [max(points, key=lambda p: p.time_s if hasattr(p, "time_s") else p.fwd_s + p.bwd_s)
+            for points in zip(*per_rank)]
+
+
+def measure_compute_concurrent(
+    plan: CalibrationPlan, *, concurrent: int, dispatch_model: Any, progress: Callable[[], None],
+    timeout_s: float = 1800.0,
+) -> tuple[list[MatmulPoint], list[MemboundPoint], list[DispatchPoint]]:
+    """The CPU compute sweep in ``concurrent`` spawned processes at once (as many as the ranks that will
+    train): each rate is one process's while all compete for the cores; per point the slowest process."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results, barrier = ctx.Queue(), ctx.Barrier(concurrent)
+    procs = [ctx.Process(target=_compute_worker, args=(r, plan, dispatch_model, barrier, results))
+             for r in range(concurrent)]
+    env_threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(plan.threads_per_rank)
+    done: dict[int, tuple] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        for p in procs:
+            p.start()
+        while len(done) < concurrent:
+            try:
+                kind, payload = results.get(timeout=1.0)
+            except _queue.Empty:
+                if time.monotonic() > deadline:
+                    raise AutoparError(f"concurrent compute calibration did not finish within {timeout_s:.0f} s") from None
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise AutoparError(f"a calibration process exited with code {dead[0].exitcode}") from None
+                continue
+            if kind == "error":
+                raise AutoparError(f"concurrent compute calibration failed on {payload}")
+            if kind == "tick":
+                progress()
+            else:
+                done[payload[0]] = payload[1:]
+    finally:
+        if env_threads is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = env_threads
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+    runs = [done[r] for r in range(concurrent)]
+    return tuple(_slowest([run[i] for run in runs]) for i in range(3))  # type: ignore[return-value]
 
 
 # ------------------------------------------------------------------------------------- collectives
@@ -388,8 +518,15 @@ def _progress_bar(total: int, enabled: bool) -> Any:
         return None
 
 
-def run_calibration(*, ranks: int = 2, quick: bool = False, progress: bool = True) -> Calibration:
-    """Measure this machine and return the calibration (fits computed)."""
+def run_calibration(
+    *, ranks: int = 2, quick: bool = False, progress: bool = True,
+    dispatch_model: Callable[[int], torch.nn.Module] | None = None, concurrent: int | None = None,
+) -> Calibration:
+    """Measure this machine and return the calibration (fits computed).
+
+    ``dispatch_model(layers)`` builds the decoder whose framework time is measured (CPU only; None: not
+    measured, none priced; it must pickle by name when ``concurrent`` > 1). ``concurrent`` (CPU; default
+    ``ranks``): processes that run the compute sweep at once, so rates are per rank while that many train."""
     if ranks < 2:
         raise ProfileError(f"--ranks {ranks}: collectives need at least 2 ranks")
     info = detect_device()
@@ -403,15 +540,22 @@ def run_calibration(*, ranks: int = 2, quick: bool = False, progress: bool = Tru
         len(plan.collective_bytes) * sum(1 for op in plan.ops if op != "send_recv" or w == 2) for w in plan.world_sizes
     )
     n_matmul = sum(len(_shapes_for(plan, d, info.device)) for d in plan.dtypes)
-    total = n_matmul + len(plan.membound_bytes) + n_coll
+    dispatch_on = dispatch_model is not None and not cuda
+    total = n_matmul + len(plan.membound_bytes) + n_coll + (len(DISPATCH_LAYERS) if dispatch_on else 0)
     bar = _progress_bar(total, progress)
     tick = bar.update if bar is not None else (lambda *a: None)
     load_before = _load_average()
     threads_before = torch.get_num_threads()
     torch.set_num_threads(plan.threads_per_rank)
+    concurrent = 1 if cuda else max(1, concurrent if concurrent is not None else ranks)
     try:
-        matmul = measure_matmul(plan, device=info.device, progress=tick)
-        membound = measure_membound(plan, device=info.device, progress=tick)
+        if concurrent > 1:
+            matmul, membound, dispatch = measure_compute_concurrent(
+                plan, concurrent=concurrent, dispatch_model=dispatch_model if dispatch_on else None, progress=tick)
+        else:
+            matmul = measure_matmul(plan, device=info.device, progress=tick)
+            membound = measure_membound(plan, device=info.device, progress=tick)
+            dispatch = measure_dispatch(dispatch_model, min_time_s=plan.min_time_s, progress=tick) if dispatch_on else []
         collectives: list[CollectivePoint] = []
         for world in plan.world_sizes:
             collectives += measure_collectives(plan, backend=info.backend, world=world, progress=tick)
@@ -430,6 +574,10 @@ def run_calibration(*, ranks: int = 2, quick: bool = False, progress: bool = Tru
         collectives=tuple(collectives),
         threads_per_rank=plan.threads_per_rank,
         torch_version=torch.__version__,
-        notes=f"{'quick' if quick else 'full'} calibration, world sizes {list(plan.world_sizes)}; "
+        cpu_cores=info.cpu_cores,
+        concurrent_ranks=concurrent,
+        dispatch=tuple(dispatch),
+        notes=f"{'quick' if quick else 'full'} calibration, world sizes {list(plan.world_sizes)}, compute measured "
+        f"in {concurrent} process(es) at once; "
         f"load average before / after: {load_before:.1f} / {_load_average():.1f} on {os.cpu_count()} cores",
     )

@@ -11,15 +11,30 @@ HELP = "measure this machine (matmuls, a memory-bound op, collectives among loca
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="autopar-calibration.json", help="profile to write (.json or .toml)")
     parser.add_argument("--ranks", type=int, default=2, help="largest number of local ranks for collectives (>= 2)")
+    parser.add_argument("--concurrent", type=int, default=None, metavar="N",
+                        help="CPU: processes that run the compute sweep at once (default --ranks: rates per rank "
+                        "while that many ranks train; 1 for a lone process's rates)")
     parser.add_argument("--quick", action="store_true", help="a short sweep (< 60 s on 2 CPU cores)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+DISPATCH_SPEC = "llama:layers={layers},hidden=16,ffn=32,heads=2,kv_heads=2,vocab=16,seq=8"
+"""The decoder whose framework (dispatch) time the CPU calibration measures: Llama-style layers at a width
+where arithmetic is negligible, so what remains is per-op Python / autograd / dispatcher time."""
+
+
+def dispatch_model(layers: int):
+    from planner.models import build_model
+
+    return build_model(DISPATCH_SPEC.format(layers=layers), batch=1, seq=8, device="cpu").model
 
 
 def run(args: argparse.Namespace) -> int:
     from costmodel.calibration import save_calibration
     from runtime.calibrate import run_calibration  # the CLI is the edge that may compose runtime
 
-    cal = run_calibration(ranks=args.ranks, quick=args.quick, progress=not args.no_progress)
+    cal = run_calibration(ranks=args.ranks, quick=args.quick, progress=not args.no_progress,
+                          dispatch_model=dispatch_model, concurrent=args.concurrent)
     path = save_calibration(cal, args.out)
     print(f"calibrated {cal.device_name} ({cal.accelerator}, {cal.backend}) on {cal.date}")
     for fit in cal.matmul_fits:
@@ -28,6 +43,12 @@ def run(args: argparse.Namespace) -> int:
             f"{fit.dim_half:.0f} / at {fit.flops_half:.3g} FLOPs per call"
         )
     print(f"  memory-bound (a + b): {cal.membound_gbps:.2f} GB/s")
+    if cal.dispatch_fit is not None:
+        d = cal.dispatch_fit
+        print(f"  framework time per decoder layer: forward {d.layer_fwd_s * 1e3:.2f} ms, backward "
+              f"{d.layer_bwd_s * 1e3:.2f} ms; rest of the model {d.model_fwd_s * 1e3:.2f} / {d.model_bwd_s * 1e3:.2f} ms")
+    if cal.cpu_cores:
+        print(f"  {cal.cpu_cores} cores: ranks beyond that share them (rates scaled per rank by cores / ranks)")
     for cfit in cal.collective_fits:
         ranks = f"2..{cfit.max_ranks} ranks" if cfit.ranks == 0 else f"{cfit.ranks} ranks"
         print(f"  {cfit.op:>14} ({ranks}): latency {cfit.latency_s * 1e6:.1f} us, bus bandwidth {cfit.bus_gbps:.3f} GB/s")

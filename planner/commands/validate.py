@@ -4,7 +4,13 @@ plan's predictions.
 ``autopar validate plan.json [plan2.json ...]`` measures saved plans (made for ``--cluster local``);
 ``autopar validate --model SPEC --cluster local --gpus-per-node N --global-batch B [--fix tp=2,dp=2 ...]`` makes
 the plan(s) on the fly (one per ``--fix``), priced with the local calibration (``--profile``, default the newest
-file in ``profiles/calibration/``), and measures them.
+file in ``profiles/calibration/``), and measures them. ``--calibrate`` first takes a quick calibration with as
+many ranks as the plans use (so prediction and measurement see the machine in the same state; the machine may
+be shared) and prices the plans with it.
+
+Compute dtype: ``auto`` runs bf16 (what the planner prices) only where the calibration measured bf16 matmuls at
+least as fast as fp32; a CPU without native bf16 emulates it 30-70x slower than fp32 (0.4-2.9 vs 44-90 GFLOP/s
+here), so it runs fp32 and the plans made here are priced with the fp32 fit alone.
 """
 
 from __future__ import annotations
@@ -31,12 +37,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pin choices (as `autopar plan --fix`); repeat for several plans; default: the planner's")
     p.add_argument("--profile", default=None, metavar="CALIBRATION",
                    help="calibration from `autopar calibrate` (default: the newest in profiles/calibration/)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="take a quick calibration with the plans' rank count first and price the plans with it")
+    p.add_argument("--calibration-out", type=Path, default=None, metavar="FILE",
+                   help="where --calibrate writes its profile (default: a temporary file)")
     p.add_argument("--steps", type=int, default=3, help="measured steps per plan (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured steps first (default 1)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: the calibration's)")
     p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
-                   help="compute dtype; auto (default): bf16 (what the planner prices) when the calibration has a "
-                   "bf16 matmul fit, else fp32 (the cost model then prices compute at the fp32 fit: what CPUs run)")
+                   help="compute dtype; auto (default): bf16 (what the planner prices) when the calibration's bf16 "
+                   "matmuls are at least as fast as its fp32 ones, else fp32 (priced with the fp32 fit alone)")
 
 
 def build_model_for(spec: str, batch: int, seq: int):
@@ -51,7 +61,30 @@ def default_profile() -> Path | None:
     return files[-1] if files else None
 
 
-def _plans(args: argparse.Namespace, profile: Path | None) -> list:
+def compute_dtype(cal, requested: str) -> str:
+    """``requested`` unless ``auto``: bf16 when ``cal`` has a bf16 matmul fit at least as fast as its fp32 one
+    (native bf16), else fp32."""
+    if requested != "auto":
+        return requested
+    if cal is None:
+        return "fp32"
+    bf16, fp32 = cal.matmul_fit("bf16"), cal.matmul_fit("fp32")
+    if bf16 is None:
+        return "fp32"
+    return "bf16" if fp32 is None or bf16.peak_tflops >= fp32.peak_tflops else "fp32"
+
+
+def calibration_for(cal, dtype: str):
+    """``cal`` as the runs will use it: fp32 compute drops the other dtypes' matmul fits, so the cost model
+    (which asks for bf16 and falls back to fp32) prices what runs."""
+    import dataclasses
+
+    if cal is None or dtype != "fp32" or cal.matmul_fit("fp32") is None:
+        return cal
+    return dataclasses.replace(cal, matmul_fits=(cal.matmul_fit("fp32"),))
+
+
+def _plans(args: argparse.Namespace, cal) -> list:
     from costmodel.errors import ConfigError
     from planner.plan import load_plan
 
@@ -61,10 +94,13 @@ def _plans(args: argparse.Namespace, profile: Path | None) -> list:
         return [load_plan(p) for p in args.plans]
     if not args.model:
         raise ConfigError("nothing to validate: give plan files or --model SPEC --cluster local --gpus-per-node N")
-    from costmodel.profiles import resolve_cluster
+    from costmodel.profiles import load_cluster_file, make_cluster
     from planner.search.driver import plan_model
 
-    cluster = resolve_cluster(args.cluster, nodes=1, gpus_per_node=args.gpus_per_node, profile_path=profile)
+    if args.cluster.endswith(".toml"):
+        cluster = load_cluster_file(args.cluster, calibration=cal)
+    else:
+        cluster = make_cluster(args.cluster, 1, gpus_per_node=args.gpus_per_node, calibration=cal)
     return [plan_model(args.model, cluster, global_batch=args.global_batch, seq=args.seq, fix=fix)
             for fix in (args.fix or [None])]
 
@@ -77,20 +113,34 @@ def _label(plan) -> str:
     return "x".join(parts) + extra + sched
 
 
+def _calibrate(args: argparse.Namespace) -> Path:
+    import tempfile
+
+    from costmodel.calibration import save_calibration
+    from planner.commands.calibrate import dispatch_model
+    from runtime.calibrate import run_calibration
+
+    print(f"autopar validate: quick calibration on {args.gpus_per_node} ranks first ...", file=sys.stderr, flush=True)
+    cal = run_calibration(ranks=max(2, args.gpus_per_node), quick=True, progress=False, dispatch_model=dispatch_model)
+    out = args.calibration_out or Path(tempfile.mkdtemp(prefix="autopar-validate-")) / "calibration.json"
+    return save_calibration(cal, out)
+
+
 def run(args: argparse.Namespace) -> int:
+    import os
+
     from costmodel.calibration import load_calibration
     from costmodel.errors import ConfigError
     from runtime.validate import measure_plan
 
-    profile = Path(args.profile) if args.profile else default_profile()
-    threads = args.threads
-    if threads is None:
-        threads = int(getattr(load_calibration(profile), "threads_per_rank", 1) or 1) if profile else 1
-    plans = _plans(args, profile)
-    dtype = args.dtype
-    if dtype == "auto":
-        cal = load_calibration(profile) if profile else None
-        dtype = "bf16" if cal is not None and cal.matmul_fit("bf16") is not None else "fp32"
+    if args.calibrate and args.plans:
+        raise ConfigError("--calibrate prices plans made on the fly (--model); saved plan files keep their predictions")
+    profile = _calibrate(args) if args.calibrate else (Path(args.profile) if args.profile else default_profile())
+    cal = load_calibration(profile) if profile else None
+    threads = args.threads if args.threads is not None else (cal.threads_per_rank if cal is not None else 1)
+    dtype = compute_dtype(cal, args.dtype)
+    plans = _plans(args, calibration_for(cal, dtype))
+    load_before = os.getloadavg()[0]
     print(f"autopar validate: {len(plans)} plan(s), calibration {profile or 'none'}, {threads} thread(s) per rank, "
           f"{args.warmup} warm-up + {args.steps} measured steps, compute {dtype}", file=sys.stderr)
     rows = []
@@ -105,11 +155,13 @@ def run(args: argparse.Namespace) -> int:
         print(_format([rows[-1]], header=len(rows) == 1), flush=True)
     if not rows:
         raise ConfigError("no plans measured")
-    import os
-
     world = plans[-1].degrees.world_size
-    print(f"machine: {world} ranks on {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} after the runs; "
-          "the cost model prices each rank at the calibrated single-process rate")
+    shared = ""
+    if cal is not None and cal.cpu_cores:
+        shared = (f"; the cost model prices each rank at {cal.rank_share(world):.2f}x the calibrated rate "
+                  f"(measured with {cal.concurrent_ranks} process(es) at once)")
+    print(f"machine: {world} ranks on {os.cpu_count()} cores, load average {load_before:.1f} before / "
+          f"{os.getloadavg()[0]:.1f} after the runs{shared}")
     within = sum(1 for r in rows if abs(r["error"]) <= 0.20)
     print(f"{within} of {len(rows)} plans within 20% of the predicted step time")
     return 0
