@@ -73,7 +73,7 @@ def ep_plan(model, *, dp: int, ep: int, tp: int = 1, pp: int = 1, zero_stage: in
     return plan
 
 
-def _run_cases(rank: int, world: int, cases: dict) -> dict:
+def _run_cases(rank: int, world: int, cases: dict, checkpoint_dir: str | None = None) -> dict:
     import traceback
 
     from torch.distributed.tensor import DTensor
@@ -90,6 +90,43 @@ def _run_cases(rank: int, world: int, cases: dict) -> dict:
             out[name] = {"run": rc.parallel_run(pm, GLOBAL_BATCH), "local_experts": local}
         except Exception:  # noqa: BLE001 - reported by the test of this case
             out[name] = {"error": traceback.format_exc()}
+    if checkpoint_dir is not None:
+        try:
+            out["checkpoint"] = _checkpoint_roundtrip(checkpoint_dir)
+        except Exception:  # noqa: BLE001 - reported by test_ep2_checkpoint_reshards
+            out["checkpoint"] = {"error": traceback.format_exc()}
+    return out
+
+
+def _checkpoint_roundtrip(directory: str) -> dict:
+    """Train ep2 x ZeRO-3 one step, save (DCP); load into ep2 x ZeRO 0 (1-D expert DTensors instead of 2-D);
+    the parameters and the next step's loss and parameters agree."""
+    import torch
+
+    from runtime.checkpoint import Checkpointer
+    from runtime.expert_parallel import apply_expert_plan
+
+    data = rc.batches(GLOBAL_BATCH, steps=2)
+    models = []
+    for kw in (dict(zero_stage=3), dict(zero_stage=0)):
+        model = rc.mixtral_model()
+        pm = apply_expert_plan(model, ep_plan(model, dp=2, ep=2, **kw), loss_fn=rc.loss_fn)
+        models.append((pm, rc.make_optimizer(pm.parameters())))
+    (src, src_opt), (dst, dst_opt) = models
+    src.step(*data[0])
+    src_opt.step()
+    src_opt.zero_grad()
+    ckpt = Checkpointer(f"{directory}/ckpt", every_steps=1, async_save=False)
+    ckpt.save(src, src_opt, step=1)
+    start = ckpt.load_latest(dst, dst_opt)
+    src_params = dict(src.named_parameters())
+    out = {"start": start, "next_loss": []}
+    out["after_load"] = {n: torch.equal(rc.full(p), rc.full(src_params[n])) for n, p in dst.named_parameters()}
+    for pm, opt in models:
+        out["next_loss"].append(pm.step(*data[1]))
+        opt.step()
+        opt.zero_grad()
+    out["after_step"] = {n: (rc.full(p), rc.full(src_params[n])) for n, p in dst.named_parameters()}
     return out
 
 
@@ -107,8 +144,9 @@ def _check(results: list, name: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def results_2():
-    return run_distributed(_run_cases, world_size=2, args=(CASES_2,), timeout_s=300)
+def results_2(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("ep2"))
+    return run_distributed(_run_cases, world_size=2, args=(CASES_2, tmp), timeout_s=300)
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +158,23 @@ def results_4():
 @pytest.mark.parametrize("name", list(CASES_2))
 def test_ep2_matches_single_process(results_2, name):
     _check(results_2, name)
+
+
+@pytest.mark.distributed
+def test_ep2_checkpoint_reshards(results_2):
+    """A checkpoint saved under ep2 x ZeRO-3 loads into ep2 x ZeRO 0 (DCP reshards the 2-D expert DTensors)."""
+    import torch
+
+    for rank, res in enumerate(results_2):
+        got = res["checkpoint"]
+        if "error" in got:
+            raise AssertionError(f"checkpoint round trip failed on rank {rank}:\n{got['error']}")
+        assert got["start"] == 1
+        unequal = [n for n, same in got["after_load"].items() if not same]
+        assert not unequal, f"rank {rank}: parameters differ after loading: {unequal}"
+        torch.testing.assert_close(got["next_loss"][1], got["next_loss"][0], rtol=rc.RTOL, atol=rc.ATOL)
+        for n, (dst, src) in got["after_step"].items():
+            torch.testing.assert_close(dst, src, rtol=rc.RTOL, atol=rc.ATOL, msg=lambda m: f"{n}: {m}")
 
 
 @pytest.mark.distributed
