@@ -87,6 +87,8 @@ class DispatchPoint:
     layers: int
     fwd_s: float
     bwd_s: float
+    tensor_parallel: bool = False
+    """Measured with DTensor tensor parallelism applied (its dispatch, on a 1-rank mesh)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -98,6 +100,11 @@ class DispatchFit:
     model_fwd_s: float
     """Embedding, final norm, LM head and loss: the part of a pass that does not repeat per layer."""
     model_bwd_s: float
+    tp_layer_fwd_s: float = 0.0
+    """The same four under DTensor tensor parallelism (0: not measured; the plain ones are used)."""
+    tp_layer_bwd_s: float = 0.0
+    tp_model_fwd_s: float = 0.0
+    tp_model_bwd_s: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -258,21 +265,37 @@ def fit_collective(
     )
 
 
-def fit_dispatch(points: tuple[DispatchPoint, ...] | list[DispatchPoint]) -> DispatchFit:
-    """Least squares ``t = model + layers * layer`` per pass over points of >= 2 distinct layer counts; negative
-    intercepts (noise) clip to 0."""
-    counts = sorted({p.layers for p in points})
-    if len(counts) < 2:
-        raise ProfileError(f"dispatch needs points at >= 2 layer counts to separate per-layer time, got {counts}")
+def _fit_pass(points: list[DispatchPoint]) -> tuple[float, float, float, float]:
+    """(layer_fwd, layer_bwd, model_fwd, model_bwd) by least squares ``t = model + layers * layer``."""
     x = np.array([[1.0, float(p.layers)] for p in points])
-    out = []
+    out: dict[str, tuple[float, float]] = {}
     for attr in ("fwd_s", "bwd_s"):
         y = np.array([getattr(p, attr) for p in points])
         model, layer = (float(v) for v in np.linalg.lstsq(x, y, rcond=None)[0])
-        if model < 0:
+        if model < 0:  # noise: all of it per layer
             model, layer = 0.0, float(np.sum(x[:, 1] * y) / np.sum(x[:, 1] ** 2))
-        out += [max(layer, 0.0), model]
-    return DispatchFit(layer_fwd_s=out[0], model_fwd_s=out[1], layer_bwd_s=out[2], model_bwd_s=out[3])
+        if layer < 0:  # noise: all of it fixed
+            model, layer = float(np.mean(y)), 0.0
+        out[attr] = (layer, model)
+    return out["fwd_s"][0], out["bwd_s"][0], out["fwd_s"][1], out["bwd_s"][1]
+
+
+def fit_dispatch(points: tuple[DispatchPoint, ...] | list[DispatchPoint]) -> DispatchFit:
+    """Per pass ``t = model + layers * layer`` over points of >= 2 distinct layer counts, plain and (when
+    measured) under tensor parallelism; negative parts (noise) clip to 0."""
+    plain = [p for p in points if not p.tensor_parallel]
+    tp = [p for p in points if p.tensor_parallel]
+    for group, what in ((plain, "plain"), (tp, "tensor-parallel")):
+        counts = sorted({p.layers for p in group})
+        if group and len(counts) < 2:
+            raise ProfileError(f"dispatch ({what}) needs points at >= 2 layer counts to separate per-layer time, "
+                               f"got {counts}; re-run `autopar calibrate`")
+    if not plain:
+        raise ProfileError("dispatch has no plain (not tensor-parallel) points; re-run `autopar calibrate`")
+    lf, lb, mf, mb = _fit_pass(plain)
+    tlf, tlb, tmf, tmb = _fit_pass(tp) if tp else (0.0, 0.0, 0.0, 0.0)
+    return DispatchFit(layer_fwd_s=lf, layer_bwd_s=lb, model_fwd_s=mf, model_bwd_s=mb,
+                       tp_layer_fwd_s=tlf, tp_layer_bwd_s=tlb, tp_model_fwd_s=tmf, tp_model_bwd_s=tmb)
 
 
 def shared_by(cal: Calibration, ranks: int) -> Calibration:
@@ -286,8 +309,7 @@ def shared_by(cal: Calibration, ranks: int) -> Calibration:
         return cal
     fits = tuple(MatmulFit(dtype=f.dtype, peak_tflops=f.peak_tflops * share, dim_half=f.dim_half,
                            flops_half=f.flops_half) for f in cal.matmul_fits)
-    dispatch = tuple(DispatchFit(layer_fwd_s=f.layer_fwd_s / share, layer_bwd_s=f.layer_bwd_s / share,
-                                 model_fwd_s=f.model_fwd_s / share, model_bwd_s=f.model_bwd_s / share)
+    dispatch = tuple(DispatchFit(**{g.name: getattr(f, g.name) / share for g in fields(DispatchFit)})
                      for f in cal.dispatch_fits)
     note = (f"rates x {share:.3g}: {ranks} ranks x {cal.threads_per_rank} thread(s) on {cal.cpu_cores} cores, "
             f"measured with {cal.concurrent_ranks}")
@@ -462,8 +484,8 @@ def validate_calibration(cal: Calibration, *, where: str) -> None:
         _num(p.fwd_s, where=here, key="fwd_s")
         _num(p.bwd_s, where=here, key="bwd_s")
     for i, f in enumerate(cal.dispatch_fits):
-        for key in ("layer_fwd_s", "layer_bwd_s", "model_fwd_s", "model_bwd_s"):
-            _num(getattr(f, key), where=f"{where}: dispatch_fits[{i}]", key=key, positive=False)
+        for g in fields(DispatchFit):
+            _num(getattr(f, g.name), where=f"{where}: dispatch_fits[{i}]", key=g.name, positive=False)
     for i, p in enumerate(cal.matmul):
         here = f"{where}: matmul[{i}]"
         for key in ("m", "n", "k"):

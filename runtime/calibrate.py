@@ -174,8 +174,9 @@ def _time_call(fn: Callable[[], Any], *, device: str, min_time_s: float, blocks:
 
     The best (not the mean) because on a shared machine other processes only ever slow a loop down; many
     short loops catch the moments this process had a core to itself. With a ``barrier`` (``concurrent`` ranks
-    measuring together) every block starts when all processes do and runs for the same wall time, and the
-    median block counts: each process's rate while all of them compete, as in a training step."""
+    measuring together) every block starts when all processes do and runs for the same wall time: the best
+    block is each process's rate while all of them (and the least of anything else) compete, as in the
+    fastest training steps, which ``autopar validate`` compares against."""
     fn()
     _sync(device)
     t0 = time.perf_counter()
@@ -193,7 +194,7 @@ def _time_call(fn: Callable[[], Any], *, device: str, min_time_s: float, blocks:
                 calls += 1
             _sync(device)
             per_call.append((time.perf_counter() - t0) / calls)
-        return sorted(per_call)[len(per_call) // 2]
+        return min(per_call)
     reps = max(1, int(min_time_s / blocks / once))
     best = float("inf")
     for _ in range(blocks):
@@ -247,36 +248,112 @@ def measure_membound(plan: CalibrationPlan, *, device: str, progress: Callable[[
 CONCURRENT_WINDOW_S = 0.1
 """Shortest timed window per block when processes measure together."""
 DISPATCH_LAYERS = (1, 4)
+DISPATCH_BLOCK_S = 0.3
+"""Shortest block of the interleaved dispatch timing (several rounds of every variant)."""
 DISPATCH_TOKENS = 8
+
+
+def _time_interleaved(fns: list[Callable[[], Any]], *, min_time_s: float, blocks: int = 7,
+                      barrier: Any = None) -> list[float]:
+    """Seconds per call of each of ``fns``, called in turn within the same timed blocks (so a difference of two
+    of them is not a difference of two moments' load) from the fastest block; with a ``barrier`` the blocks
+    start when every process's do."""
+    for fn in fns:
+        fn()
+    window = max(min_time_s / blocks, CONCURRENT_WINDOW_S if barrier is not None else 0.0)
+    best: list[float] | None = None
+    for _ in range(blocks):
+        if barrier is not None:
+            barrier.wait()
+        spent, calls = [0.0] * len(fns), 0
+        t_end = time.perf_counter() + window
+        while calls == 0 or time.perf_counter() < t_end:
+            for i, fn in enumerate(fns):
+                t0 = time.perf_counter()
+                fn()
+                spent[i] += time.perf_counter() - t0
+            calls += 1
+        if best is None or sum(spent) / calls < sum(best):
+            best = [t / calls for t in spent]
+    assert best is not None
+    return best
+
+
+_TP_COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc1", "c_fc")
+_TP_ROWWISE = ("o_proj", "out_proj", "down_proj", "fc2")
+
+
+def _tensor_parallel_fixture(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with DTensor tensor parallelism as the runtime applies it (Megatron: column-wise q / k / v and
+    MLP input projections, row-wise output projections, vocabulary-parallel embedding and head) on a 1-rank
+    mesh: DTensor's dispatch runs in full, the collectives have no peer (they are priced by the comm fits)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    if not dist.is_initialized():  # measure_dispatch destroys it
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    plan: dict[str, Any] = {}
+    for name, _ in model.named_modules():
+        leaf = name.rpartition(".")[2]
+        if leaf in _TP_COLWISE:
+            plan[name] = ColwiseParallel()
+        elif leaf in _TP_ROWWISE:
+            plan[name] = RowwiseParallel()
+        elif leaf == "embed_tokens":
+            plan[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        elif leaf == "lm_head":
+            plan[name] = ColwiseParallel(output_layouts=Replicate())
+    return parallelize_module(model, init_device_mesh("cpu", (1,)), plan)
 
 
 def measure_dispatch(
     build: Callable[[int], torch.nn.Module], *, min_time_s: float, progress: Callable[[], None],
-    layers: tuple[int, ...] = DISPATCH_LAYERS, barrier: Any = None,
+    layers: tuple[int, ...] = DISPATCH_LAYERS, barrier: Any = None, tensor_parallel: bool = True,
 ) -> list[DispatchPoint]:
     """Forward and backward seconds of ``build(n)`` (a causal LM over ``DISPATCH_TOKENS`` tokens, tiny width) for
-    each ``n`` in ``layers``, so the time is the framework's, not the arithmetic's (backward = forward +
-    backward - forward)."""
-    points = []
-    for n in layers:
+    each ``n`` in ``layers``, plain and (``tensor_parallel``) with DTensor tensor parallelism: the framework's
+    time, not the arithmetic's. All variants run interleaved in the same blocks; backward = (forward +
+    backward) - forward."""
+    import torch.distributed as dist
+
+    owns_group = tensor_parallel and not dist.is_initialized()
+    try:
+        return _measure_dispatch(build, min_time_s=min_time_s, progress=progress, layers=layers, barrier=barrier,
+                                 tensor_parallel=tensor_parallel)
+    finally:
+        if owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _measure_dispatch(build: Callable[[int], torch.nn.Module], *, min_time_s: float, progress: Callable[[], None],
+                      layers: tuple[int, ...], barrier: Any, tensor_parallel: bool) -> list[DispatchPoint]:
+    variants = [(n, tp) for tp in ((False, True) if tensor_parallel else (False,)) for n in layers]
+    fns: list[Callable[[], Any]] = []
+    for n, tp in variants:
         model = build(n)
-        vocab = model.get_input_embeddings().num_embeddings
+        if tp:
+            model = _tensor_parallel_fixture(model)
+        vocab = build(1).get_input_embeddings().num_embeddings if tp else model.get_input_embeddings().num_embeddings
         ids = torch.randint(0, vocab, (1, DISPATCH_TOKENS + 1), generator=torch.Generator().manual_seed(0))
-        inputs, targets = ids[:, :-1], ids[:, 1:]
 
-        def forward() -> torch.Tensor:
-            out = model(inputs)
+        def forward(model=model, ids=ids) -> torch.Tensor:
+            out = model(ids[:, :-1])
             logits = out.logits if hasattr(out, "logits") else out
-            return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
 
-        def forward_backward() -> None:
+        def forward_backward(model=model, forward=forward) -> None:
             model.zero_grad(set_to_none=True)
             forward().backward()
 
-        fwd = _time_call(forward, device="cpu", min_time_s=min_time_s, barrier=barrier)
-        both = _time_call(forward_backward, device="cpu", min_time_s=min_time_s, barrier=barrier)
-        points.append(DispatchPoint(layers=n, fwd_s=fwd, bwd_s=max(both - fwd, 1e-9)))
-        progress()
+        fns += [forward, forward_backward]
+    times = _time_interleaved(fns, min_time_s=max(min_time_s, 7 * DISPATCH_BLOCK_S), barrier=barrier)
+    points = []
+    for i, (n, tp) in enumerate(variants):
+        fwd, both = times[2 * i], times[2 * i + 1]
+        points.append(DispatchPoint(layers=n, fwd_s=fwd, bwd_s=max(both - fwd, 1e-9), tensor_parallel=tp))
+    progress()
     return points
 
 
@@ -541,7 +618,7 @@ def run_calibration(
     )
     n_matmul = sum(len(_shapes_for(plan, d, info.device)) for d in plan.dtypes)
     dispatch_on = dispatch_model is not None and not cuda
-    total = n_matmul + len(plan.membound_bytes) + n_coll + (len(DISPATCH_LAYERS) if dispatch_on else 0)
+    total = n_matmul + len(plan.membound_bytes) + n_coll + (1 if dispatch_on else 0)
     bar = _progress_bar(total, progress)
     tick = bar.update if bar is not None else (lambda *a: None)
     load_before = _load_average()

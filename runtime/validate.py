@@ -2,7 +2,7 @@
 
 ``measure_plan(plan, model_factory=..., steps=, warmup=)`` spawns ``plan.degrees.world_size`` processes (gloo on
 CPU, one process per rank as ``torchrun`` would start them), applies the plan with ``runtime.apply_plan``, runs
-``warmup + steps`` optimizer steps (AdamW, random token batches of ``plan.global_batch`` x ``plan.model.seq_len``)
+``warmup + steps`` optimizer steps (fused AdamW, random token batches of ``plan.global_batch`` x ``plan.model.seq_len``)
 and returns one ``RankMeasurement`` per rank.
 
 What is timed: each step starts after a barrier (so a rank's time includes waiting for the slowest rank, as a
@@ -78,6 +78,32 @@ def _vocab_of(model: nn.Module) -> int:
     return emb.num_embeddings
 
 
+class _Optimizers:
+    """Several optimizers stepped as one (fused AdamW needs each call's tensors all plain or all DTensor)."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.optimizers = optimizers
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+
+def _optimizer(params: Any) -> _Optimizers:
+    """AdamW as the cost model prices it: fused, one pass over each parameter's weight, gradient and two moments
+    (``StepConstants.optimizer_bytes_per_param``). The per-tensor loop (``foreach=False``) makes ~10 passes
+    and ~10 dispatched ops per parameter: 8.7 ms vs 1.6 ms for 2.1 M parameters on one core here. One
+    optimizer per parameter type: a tensor-parallel model mixes DTensor and plain parameters."""
+    by_type: dict[type, list] = {}
+    for p in params:
+        by_type.setdefault(type(p.data), []).append(p)
+    return _Optimizers([torch.optim.AdamW(ps, lr=1e-4, fused=True) for ps in by_type.values()])
+
+
 def _rank_body(rank: int, plan: Plan, model_factory: Callable[[], nn.Module], cfg: dict[str, Any]) -> RankMeasurement:
     import torch.distributed as dist
 
@@ -87,7 +113,7 @@ def _rank_body(rank: int, plan: Plan, model_factory: Callable[[], nn.Module], cf
     model = model_factory()
     pm = apply_plan(model, plan, loss_fn=lm_loss, seed=0)
     vocab = _vocab_of(model)
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-4, foreach=False)
+    opt = _optimizer(pm.parameters())
     gen = torch.Generator().manual_seed(1234)
     rows, seq = plan.global_batch, max(plan.model.seq_len, 1)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg["compute_dtype"] == "bf16")
