@@ -13,7 +13,10 @@ The mesh is (pp, dp/ep, ep, cp, tp); the batch is split over dp, which ep divide
   it), ep2 x tp2 with ZeRO 0 and ZeRO-2 (attention and LM head TP, experts and router replicated over tp) and
   with sequence parallel and ZeRO-3 (the MoE block gathers the sequence), ep2 x pp2 (2 micro-batches; the
   all-to-all among the 2 ranks of each stage) with 1F1B and ZeRO 0 / ZeRO-2, zero-bubble (ZB-H1) and ZeRO 0,
-  GPipe and ZeRO-3, interleaved 1F1B (2 chunks per rank) and ZeRO-2.
+  GPipe and ZeRO-3, interleaved 1F1B (2 chunks per rank) and ZeRO-2, 1F1B with full recomputation (the
+  all-to-all runs again in backward);
+- 8 ranks, one spawn (slow, ~70 s on 2 cores): ep2 x tp2 x pp2 x ZeRO-2, dp4 x ep2 x tp2 x sequence parallel x
+  ZeRO-3.
 """
 
 from __future__ import annotations
@@ -43,15 +46,22 @@ CASES_4 = {
     "ep2 pp2 gpipe zero3": dict(dp=2, ep=2, pp=2, zero_stage=3, num_microbatches=2, schedule="gpipe"),
     "ep2 pp2 interleaved zero2": dict(dp=2, ep=2, pp=2, zero_stage=2, num_microbatches=2,
                                       schedule="interleaved-1f1b", virtual_stages=2),
+    "ep2 pp2 recompute full": dict(dp=2, ep=2, pp=2, num_microbatches=2, recompute="full"),
+}
+CASES_8 = {
+    "ep2 tp2 pp2 zero2": dict(dp=2, ep=2, tp=2, pp=2, num_microbatches=2, zero_stage=2),
+    "dp4 ep2 tp2 sp zero3": dict(dp=4, ep=2, tp=2, sequence_parallel=True, zero_stage=3),
 }
 # experts per rank (of 4) in the local shard of each expert parameter: ep splits them, FSDP over the outer dp too
 LOCAL_EXPERTS = {"ep2": 2, "ep2 zero2": 2, "ep2 zero3": 2, "dp4 ep2 zero3": 1, "ep2 tp2 zero0": 2,
                  "ep2 tp2 zero2": 2, "ep2 tp2 sp zero3": 2, "ep2 pp2 zero0": 2, "ep2 pp2 zero2": 2,
-                 "ep2 pp2 zero-bubble": 2, "ep2 pp2 gpipe zero3": 2, "ep2 pp2 interleaved zero2": 2}
+                 "ep2 pp2 zero-bubble": 2, "ep2 pp2 gpipe zero3": 2, "ep2 pp2 interleaved zero2": 2,
+                 "ep2 pp2 recompute full": 2, "ep2 tp2 pp2 zero2": 2, "dp4 ep2 tp2 sp zero3": 1}
 
 
 def ep_plan(model, *, dp: int, ep: int, tp: int = 1, pp: int = 1, zero_stage: int = 0, num_microbatches: int = 1,
-            sequence_parallel: bool = False, cp: int = 1, schedule: str = "1f1b", virtual_stages: int = 1):
+            sequence_parallel: bool = False, cp: int = 1, schedule: str = "1f1b", virtual_stages: int = 1,
+            recompute: str = "none"):
     """``manual_plan`` (Megatron TP styles when tp > 1) with ep (and cp) added and the experts marked ``expert``.
     ``virtual_stages=2`` (pp=2): 4 chunks, ``layers.0`` (with the embedding), ``layers.1``, ``norm``, ``lm_head``."""
     from planner.plan import MeshSpec, ModuleSharding, ParallelDegrees, StagePlan
@@ -64,6 +74,8 @@ def ep_plan(model, *, dp: int, ep: int, tp: int = 1, pp: int = 1, zero_stage: in
     experts = tuple(ModuleSharding(fqn=f, style="expert") for f, _ in model.named_modules() if f.endswith("mlp.experts"))
     plan = dataclasses.replace(base, degrees=degrees, mesh=MeshSpec.from_degrees(degrees),
                                shardings=base.shardings + experts)
+    if recompute != "none":
+        plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, recompute=recompute) for s in plan.stages))
     if virtual_stages > 1:
         units = ("model.layers.0", "model.layers.1", "model.norm", "lm_head")
         stages = tuple(StagePlan(index=i, pp_rank=i % pp, modules=(u,), ranks=base.stages[i % pp].ranks)
@@ -182,6 +194,18 @@ def test_ep2_checkpoint_reshards(results_2):
 @pytest.mark.parametrize("name", list(CASES_4))
 def test_ep_four_ranks_matches_single_process(results_4, name):
     _check(results_4, name)
+
+
+@pytest.fixture(scope="module")
+def results_8():
+    return run_distributed(_run_cases, world_size=8, args=(CASES_8,), timeout_s=900)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES_8))
+def test_ep_eight_ranks_matches_single_process(results_8, name):
+    _check(results_8, name)
 
 
 @pytest.mark.parametrize("kw, words", [
