@@ -9,8 +9,8 @@ Backward: twice the forward GEMM time (input and weight gradient), twice the mem
 
 Collectives per transformer layer (Megatron-LM): tp: 2 all-reduces of ``b s h`` in forward and 2 in
 backward, or with sequence parallelism an all-gather + reduce-scatter pair each (same volume); cp: K/V
-all-gather in forward and reduce-scatter of their gradients in backward, hidden behind the attention core
-when shorter; ep: dispatch + combine all-to-alls of ``b s h top_k`` in forward and again in backward.
+all-gather in forward and reduce-scatter of their gradients in backward, on the critical path (the runtime's
+all-gather context parallel issues them before / after the attention core); ep: dispatch + combine all-to-alls of ``b s h top_k`` in forward and again in backward.
 """
 
 from __future__ import annotations
@@ -173,11 +173,14 @@ def transformer_time(c: LayerCtx, layer: LayerWork) -> LayerTime:
     kind, t_tp = _tp_comm(c, tokens)
     _add(comm_f, kind, t_tp)
     _add(comm_b, kind, t_tp)
-    if c.cp > 1:  # K/V all-gather (fwd) and reduce-scatter of dK/dV (bwd), hidden behind the attention core
+    if c.cp > 1:  # K/V all-gather (fwd) and reduce-scatter of dK/dV (bwd) before / after the attention core:
+        # on the critical path, as runtime.context_parallel runs them (Llama 3's all-gather CP, not a ring)
         nbytes = 2.0 * c.microbatch * w.seq * (w.hidden * w.kv_heads // w.heads) / c.tp * w.dtype_bytes
-        cc = collective_time_s("all_gather", nbytes, Group(size=c.cp, stride=c.tp), c.cluster)
-        _add(comm_f, cc.link_kind, max(0.0, cc.time_s - t_attn_f))
-        _add(comm_b, cc.link_kind, max(0.0, cc.time_s - t_attn_b))
+        group = Group(size=c.cp, stride=c.tp)
+        ag = collective_time_s("all_gather", nbytes, group, c.cluster)
+        rs = collective_time_s("reduce_scatter", nbytes, group, c.cluster)
+        _add(comm_f, ag.link_kind, ag.time_s)
+        _add(comm_b, rs.link_kind, rs.time_s)
     if c.ep > 1 and w.experts:
         nbytes = tokens * w.hidden * max(1, w.topk) * w.dtype_bytes
         a2a = collective_time_s("all_to_all", nbytes, Group(size=c.ep, stride=c.tp * c.cp), c.cluster)

@@ -210,3 +210,22 @@ def test_zero3_traffic_by_hand():
                          recompute="full", layers=layers)
     assert kind == "infiniband"
     assert got == pytest.approx(expected, rel=1e-9)
+
+
+def test_context_parallel_kv_traffic_is_on_the_critical_path():
+    """cp=2 inside one DGX node: each layer's forward waits for the K/V all-gather of 2 b s h_kv bytes and its
+    backward for the reduce-scatter of their gradients (runtime.context_parallel issues them blocking)."""
+    from costmodel.comm import Group, collective_time_s
+    from costmodel.layer_time import LayerCtx, layer_time
+
+    cluster = make_cluster("dgx-a100-80gb", 1)
+    w = llama_workload(layers=2, hidden=4096, ffn_hidden=14336, heads=32, kv_heads=8, vocab=32000, seq=8192)
+    ctx = LayerCtx(workload=w, device=cluster.groups[0].node.gpu, cluster=cluster, microbatch=1, tp=1, cp=2, ep=1,
+                   sp=False, recompute="none", flash=True, constants=DEFAULT_STEP_CONSTANTS)
+    layer = next(l for l in w.layers if l.kind == "transformer")
+    t = layer_time(ctx, layer)
+    nbytes = 2.0 * 8192 * (4096 * 8 // 32) * 2  # K and V of the whole sequence, bf16
+    ag = collective_time_s("all_gather", nbytes, Group(size=2, stride=1), cluster).time_s
+    rs = collective_time_s("reduce_scatter", nbytes, Group(size=2, stride=1), cluster).time_s
+    assert t.comm_fwd == pytest.approx({"nvswitch": ag})
+    assert t.comm_bwd == pytest.approx({"nvswitch": rs})
