@@ -10,7 +10,7 @@ A module the plan marks ``style="expert"`` (e.g. ``model.layers.0.mlp.experts``,
   the (token, expert) assignments of the replicated router by expert, exchanges the counts
   (``all_to_all_single``), sends the token rows to the owners (``torch.distributed.nn.functional
   .all_to_all_single``, differentiable, works on gloo), runs the local experts, sends the results back and
-  adds them, weighted by the router, into the output. The router (``gate``) and everything else stay replicated.
+  adds them, weighted by the router, into the output. The router (``gate``) stays replicated.
 
 Gradients: the all-to-all backward delivers to each expert the gradient of every ep rank's local loss, a sum over
 the ep group; the forward scales the expert weights' gradient by 1/ep (``_ScaleGrad``), so each expert holds the
@@ -185,8 +185,12 @@ def _ep_model_class() -> type:
         """A ``ParallelModel`` whose ``step`` also synchronises gradients for expert parallel under ZeRO 0
         (``sync_expert_grads``); under ZeRO 1-3 FSDP2 does it (``shard_expert_data_parallel``)."""
 
-        expert_fqns: list[str] = []
-        manual_grad_sync: bool = True
+        def __init__(self, *, expert_fqns: list[str], manual_grad_sync: bool, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.expert_fqns = list(expert_fqns)
+            """FQNs of this rank's experts modules (``style="expert"``)."""
+            self.manual_grad_sync = manual_grad_sync
+            """True under ZeRO 0: ``step`` averages the gradients (``sync_expert_grads``)."""
 
         def step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
             loss = super().step(inputs, targets)
@@ -202,8 +206,9 @@ def shard_expert_data_parallel(model: nn.Module, *, plan: Plan, mesh: DeviceMesh
 
     Each experts module first gets its own ``fully_shard`` over the outer ``dp`` axis: the ranks that hold the
     same experts (same ep index). Its parameters become 2-D DTensors (dp, ep); the reduce-scatter sums the
-    gradients over dp and divides by dp (the forward already scaled them to the mean over ep). Then ``apply_data_parallel`` shards the rest (layers and root) over
-    the batch mesh dp x ep and averages it there; the experts, already FSDP modules, are left to their own."""
+    gradients over dp and divides by dp (the forward already scaled them to the mean over ep). Then
+    ``apply_data_parallel`` shards the rest (layers and root) over the batch mesh dp x ep and averages it there;
+    the experts, already FSDP modules, are left to their own."""
     from torch.distributed.fsdp import fully_shard
 
     from runtime.data_parallel import apply_data_parallel
@@ -304,10 +309,11 @@ def _parallelize(
 
 def apply_expert_plan(model: nn.Module, plan: Plan, *, loss_fn: Any, seed: int = 0) -> Any:
     """Apply a plan with ``ep > 1``: experts sharded over ep (all-to-all dispatch), whole per ep rank and
-    replicated over tp; the dense modules tensor-parallel per the plan (tp > 1, no sequence parallel); data
-    parallel per the ZeRO stage (FSDP2 for ZeRO 1-3, gradients all-reduced by ``step`` for ZeRO 0); pipelined per
-    the plan's stages (pp > 1; the ep all-to-all runs among the ranks of one pipeline stage). cp > 1 is refused.
-    Returns a ``ParallelModel`` (``ExpertParallelModel``)."""
+    replicated over tp; the dense modules tensor-parallel per the plan (tp > 1, with or without sequence
+    parallel); data parallel per the ZeRO stage (FSDP2 for ZeRO 1-3, gradients all-reduced by ``step`` for ZeRO
+    0); pipelined per the plan's stages (pp > 1; the ep all-to-all runs among the ranks of one pipeline stage).
+    Refused (``check_expert_plan``): cp > 1, ep not dividing dp. Returns a ``ParallelModel``
+    (``ExpertParallelModel``)."""
     from planner.plan import check_plan_matches
     from runtime.mesh import build_mesh, init_distributed
     from runtime.wrap import fingerprint_of
@@ -319,20 +325,21 @@ def apply_expert_plan(model: nn.Module, plan: Plan, *, loss_fn: Any, seed: int =
     device = torch.device("cuda", torch.cuda.current_device()) if info.device_type == "cuda" else torch.device("cpu")
     cls = _ep_model_class()
     if plan.degrees.pp > 1:
-        pm = _apply_pipelined(model, plan, mesh=mesh, loss_fn=loss_fn, seed=seed, device=device, cls=cls)
+        runner, fqns = _build_pipeline(model, plan, mesh=mesh, loss_fn=loss_fn, seed=seed, device=device)
+        module = model
     else:
+        runner = None
         module, fqns = _parallelize(model, plan=plan, mesh=mesh, device=device, seed=seed, strict=True,
                                     init_owner=None, loss_parallel_ok=None)
-        pm = cls(module=module, plan=plan, mesh=mesh, loss_fn=loss_fn)
-        pm.expert_fqns = fqns
-    pm.manual_grad_sync = plan.zero_stage == 0
-    return pm
+    return cls(module=module, plan=plan, mesh=mesh, loss_fn=loss_fn, pipeline=runner, expert_fqns=fqns,
+               manual_grad_sync=plan.zero_stage == 0)
 
 
-def _apply_pipelined(
-    model: nn.Module, plan: Plan, *, mesh: DeviceMesh, loss_fn: Any, seed: int, device: torch.device, cls: type
-) -> Any:
-    """pp > 1: each local chunk gets TP, EP and FSDP2 as the whole model would (``_parallelize``)."""
+def _build_pipeline(
+    model: nn.Module, plan: Plan, *, mesh: DeviceMesh, loss_fn: Any, seed: int, device: torch.device
+) -> tuple[Any, list[str]]:
+    """pp > 1: each local chunk gets TP, EP and FSDP2 as the whole model would (``_parallelize``); the
+    ``PipelineRunner`` and the FQNs of this rank's experts modules."""
     from runtime.pipeline import build_pipeline
 
     if loss_fn is None:
@@ -347,6 +354,4 @@ def _apply_pipelined(
         return chunk
 
     runner = build_pipeline(model, plan=plan, mesh=mesh, loss_fn=loss_fn, sync_dp_grads=False, wrap_chunk=wrap_chunk)
-    pm = cls(module=model, plan=plan, mesh=mesh, loss_fn=loss_fn, pipeline=runner)
-    pm.expert_fqns = fqns
-    return pm
+    return runner, fqns
