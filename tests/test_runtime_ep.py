@@ -16,7 +16,9 @@ The mesh is (pp, dp/ep, ep, cp, tp); the batch is split over dp, which ep divide
   GPipe and ZeRO-3, interleaved 1F1B (2 chunks per rank) and ZeRO-2, 1F1B with full recomputation (the
   all-to-all runs again in backward);
 - 8 ranks, one spawn (slow, ~70 s on 2 cores): ep2 x tp2 x pp2 x ZeRO-2, dp4 x ep2 x tp2 x sequence parallel x
-  ZeRO-3.
+  ZeRO-3;
+- planner-made plans (``planner.plan_model`` with ep=2 pinned, with tp2, pp2 and dp4 x ZeRO-3; slow) through
+  ``runtime.apply_plan`` on 4 ranks.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ CASES_8 = {
 LOCAL_EXPERTS = {"ep2": 2, "ep2 zero2": 2, "ep2 zero3": 2, "dp4 ep2 zero3": 1, "ep2 tp2 zero0": 2,
                  "ep2 tp2 zero2": 2, "ep2 tp2 sp zero3": 2, "ep2 pp2 zero0": 2, "ep2 pp2 zero2": 2,
                  "ep2 pp2 zero-bubble": 2, "ep2 pp2 gpipe zero3": 2, "ep2 pp2 interleaved zero2": 2,
-                 "ep2 pp2 recompute full": 2, "ep2 tp2 pp2 zero2": 2, "dp4 ep2 tp2 sp zero3": 1}
+                 "ep2 pp2 recompute full": 2, "ep2 tp2 pp2 zero2": 2, "dp4 ep2 tp2 sp zero3": 1,
+                 "planned ep2 tp2": 2, "planned ep2 pp2": 2, "planned dp4 ep2 zero3": 1}
 
 
 def ep_plan(model, *, dp: int, ep: int, tp: int = 1, pp: int = 1, zero_stage: int = 0, num_microbatches: int = 1,
@@ -85,10 +88,16 @@ def ep_plan(model, *, dp: int, ep: int, tp: int = 1, pp: int = 1, zero_stage: in
     return plan
 
 
+def _train(pm) -> dict:
+    """``runtime_cases.parallel_run`` and the shapes of this rank's local expert shards."""
+    from torch.distributed.tensor import DTensor
+
+    local = {n: tuple(p.to_local().shape) for n, p in pm.named_parameters() if isinstance(p, DTensor) and ".experts." in n}
+    return {"run": rc.parallel_run(pm, GLOBAL_BATCH), "local_experts": local}
+
+
 def _run_cases(rank: int, world: int, cases: dict, checkpoint_dir: str | None = None) -> dict:
     import traceback
-
-    from torch.distributed.tensor import DTensor
 
     from runtime.expert_parallel import apply_expert_plan
 
@@ -96,10 +105,7 @@ def _run_cases(rank: int, world: int, cases: dict, checkpoint_dir: str | None = 
     for name, kw in cases.items():
         try:
             model = rc.mixtral_model()
-            pm = apply_expert_plan(model, ep_plan(model, **kw), loss_fn=rc.loss_fn)
-            local = {n: tuple(p.to_local().shape) for n, p in pm.named_parameters()
-                     if isinstance(p, DTensor) and ".experts." in n}
-            out[name] = {"run": rc.parallel_run(pm, GLOBAL_BATCH), "local_experts": local}
+            out[name] = _train(apply_expert_plan(model, ep_plan(model, **kw), loss_fn=rc.loss_fn))
         except Exception:  # noqa: BLE001 - reported by the test of this case
             out[name] = {"error": traceback.format_exc()}
     if checkpoint_dir is not None:
@@ -220,3 +226,45 @@ def test_refused_combinations_name_degrees_and_fix(kw, words):
         check_expert_plan(ep_plan(rc.mixtral_model(), **kw))
     for w in words:
         assert w in str(e.value)
+
+
+def _planned_body(rank: int, world: int, plans: dict) -> dict:
+    import traceback
+
+    from planner.plan import Plan
+    from runtime import apply_plan
+
+    out = {}
+    for name, plan_dict in plans.items():
+        try:
+            model = rc.mixtral_model()
+            out[name] = _train(apply_plan(model, Plan.from_dict(plan_dict), loss_fn=rc.loss_fn))
+        except Exception:  # noqa: BLE001 - reported by the test
+            out[name] = {"error": traceback.format_exc()}
+    return out
+
+
+PLANNER_FIXES = {
+    "planned ep2 tp2": "ep=2,tp=2,pp=1,dp=2",
+    "planned ep2 pp2": "ep=2,tp=1,pp=2,dp=2",
+    "planned dp4 ep2 zero3": "ep=2,tp=1,pp=1,dp=4,zero_stage=3",
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_planner_made_ep_plans_run_through_apply_plan(tmp_path):
+    """Plans from planner.plan_model for the tiny Mixtral on 4 local devices (ep2 pinned with tp2, with pp2, and
+    with dp4 x ZeRO-3) run through ``runtime.apply_plan`` with the single-process numbers."""
+    from costmodel.profiles import resolve_cluster
+    from planner.search.driver import plan_model
+
+    model = rc.mixtral_model()
+    config = tmp_path / "config.json"
+    model.config.to_json_file(str(config))
+    cluster = resolve_cluster("local", nodes=1, gpus_per_node=4)
+    plans = {name: plan_model(str(config), cluster, global_batch=GLOBAL_BATCH, seq=rc.SEQ, fix=fix,
+                              record_timings=False).to_dict() for name, fix in PLANNER_FIXES.items()}
+    results = run_distributed(_planned_body, world_size=4, args=(plans,), timeout_s=600)
+    for name in plans:
+        _check(results, name)
