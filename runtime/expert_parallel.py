@@ -291,6 +291,9 @@ def _parallelize(
     from runtime.materialize import materialize
     from runtime.mesh import batch_mesh
 
+    is_meta = any(p.is_meta for p in module.parameters())
+    if not is_meta:
+        module.to(device)  # before sharding: DTensor and FSDP2 take this rank's part of the tensors in place
     sp = plan.sequence_parallel and plan.degrees.tp > 1
     with _moe_blocks_detached(module, plan=plan, detach=sp) as blocks:
         apply_tensor_parallel(module, plan=_dense_plan(plan), mesh=mesh, strict=strict,
@@ -300,10 +303,8 @@ def _parallelize(
     fqns = apply_expert_parallel(module, plan=plan, mesh=mesh, strict=strict)
     if plan.zero_stage > 0 and batch_mesh(mesh).size() > 1:
         shard_expert_data_parallel(module, plan=plan, mesh=mesh, expert_fqns=fqns)
-    if any(p.is_meta for p in module.parameters()):
+    if is_meta:
         materialize(module, device=device, seed=seed, init_owner=init_owner)
-    else:
-        module.to(device)
     return module, fqns
 
 

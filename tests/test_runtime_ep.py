@@ -8,7 +8,8 @@ parameters (``runtime_cases.restrict``).
 The mesh is (pp, dp/ep, ep, cp, tp); the batch is split over dp, which ep divides. Cases (``ep_plan``):
 
 - 2 ranks, one spawn: ep2 (ZeRO 0: gradients all-reduced by ``step``), ep2 x ZeRO-2, ep2 x ZeRO-3 (dp = ep = 2:
-  the outer dp axis is 1, each expert on one rank);
+  the outer dp axis is 1, each expert on one rank), the last also from a materialised (not meta) model; a
+  checkpoint saved under ep2 x ZeRO-3 loaded into ep2 x ZeRO 0;
 - 4 ranks, one spawn (slow): dp4 x ep2 x ZeRO-3 (outer dp 2: each expert FSDP-sharded over the 2 ranks holding
   it), ep2 x tp2 with ZeRO 0 and ZeRO-2 (attention and LM head TP, experts and router replicated over tp) and
   with sequence parallel and ZeRO-3 (the MoE block gathers the sequence), ep2 x pp2 (2 micro-batches; the
@@ -36,6 +37,7 @@ CASES_2 = {
     "ep2": dict(dp=2, ep=2),
     "ep2 zero2": dict(dp=2, ep=2, zero_stage=2),
     "ep2 zero3": dict(dp=2, ep=2, zero_stage=3),
+    "ep2 zero3 materialised": dict(dp=2, ep=2, zero_stage=3, materialised=True),
 }
 CASES_4 = {
     "dp4 ep2 zero3": dict(dp=4, ep=2, zero_stage=3),
@@ -55,7 +57,7 @@ CASES_8 = {
     "dp4 ep2 tp2 sp zero3": dict(dp=4, ep=2, tp=2, sequence_parallel=True, zero_stage=3),
 }
 # experts per rank (of 4) in the local shard of each expert parameter: ep splits them, FSDP over the outer dp too
-LOCAL_EXPERTS = {"ep2": 2, "ep2 zero2": 2, "ep2 zero3": 2, "dp4 ep2 zero3": 1, "ep2 tp2 zero0": 2,
+LOCAL_EXPERTS = {"ep2": 2, "ep2 zero2": 2, "ep2 zero3": 2, "ep2 zero3 materialised": 2, "dp4 ep2 zero3": 1, "ep2 tp2 zero0": 2,
                  "ep2 tp2 zero2": 2, "ep2 tp2 sp zero3": 2, "ep2 pp2 zero0": 2, "ep2 pp2 zero2": 2,
                  "ep2 pp2 zero-bubble": 2, "ep2 pp2 gpipe zero3": 2, "ep2 pp2 interleaved zero2": 2,
                  "ep2 pp2 recompute full": 2, "ep2 tp2 pp2 zero2": 2, "dp4 ep2 tp2 sp zero3": 1,
@@ -104,7 +106,12 @@ def _run_cases(rank: int, world: int, cases: dict, checkpoint_dir: str | None = 
     out = {}
     for name, kw in cases.items():
         try:
+            kw = dict(kw)
             model = rc.mixtral_model()
+            if kw.pop("materialised", False):  # a model with real weights, as the reference builds it
+                from runtime.materialize import materialize
+
+                model = materialize(model, device="cpu", seed=0)
             out[name] = _train(apply_expert_plan(model, ep_plan(model, **kw), loss_fn=rc.loss_fn))
         except Exception:  # noqa: BLE001 - reported by the test of this case
             out[name] = {"error": traceback.format_exc()}
