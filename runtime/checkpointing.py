@@ -103,3 +103,21 @@ def apply_activation_checkpointing(model: nn.Module, *, layer_fqns: Iterable[str
         set_recompute(layer, mode)
     logger.debug("recompute=%s on %d layers", mode, len(names))
     return model
+
+
+def apply_plan_recompute(model: nn.Module, *, plan: Any) -> nn.Module:
+    """Without a pipeline (pp = 1) the plan's single stage names the recomputation of every transformer layer:
+    set it on the model's layers (the pipelined path sets it per chunk in ``runtime.pipeline.cut_model``)."""
+    stages = sorted(plan.stages, key=lambda s: s.index)
+    mode = stages[0].recompute if stages else "none"
+    if mode == "none":
+        return model
+    # the repeated layers: every child of a ModuleList (what the planner groups as blocks)
+    layers = [f"{name}.{child}" for name, m in model.named_modules() if isinstance(m, nn.ModuleList)
+              for child, _ in m.named_children()]
+    if not layers:
+        raise ConfigError(
+            f"recompute={mode}: {type(model).__name__} has no nn.ModuleList of layers to recompute; "
+            "re-plan with --fix recompute=none"
+        )
+    return apply_activation_checkpointing(model, layer_fqns=layers, mode=mode)

@@ -316,6 +316,7 @@ def apply_expert_plan(model: nn.Module, plan: Plan, *, loss_fn: Any, seed: int =
     Refused (``check_expert_plan``): cp > 1, ep not dividing dp. Returns a ``ParallelModel``
     (``ExpertParallelModel``)."""
     from planner.plan import check_plan_matches
+    from runtime.checkpointing import apply_plan_recompute
     from runtime.mesh import build_mesh, init_distributed
     from runtime.wrap import fingerprint_of
 
@@ -330,6 +331,7 @@ def apply_expert_plan(model: nn.Module, plan: Plan, *, loss_fn: Any, seed: int =
         module = model
     else:
         runner = None
+        apply_plan_recompute(model, plan=plan)
         module, fqns = _parallelize(model, plan=plan, mesh=mesh, device=device, seed=seed, strict=True,
                                     init_owner=None, loss_parallel_ok=None)
     return cls(module=module, plan=plan, mesh=mesh, loss_fn=loss_fn, pipeline=runner, expert_fqns=fqns,

@@ -57,7 +57,7 @@ def _layer_list(model: nn.Module) -> tuple[str, list[str]]:
     raise ConfigError(f"{type(model).__name__} has no ModuleList of layers to cut into pipeline stages")
 
 
-def _stages(model: nn.Module, *, pp: int, ranks_of: list[tuple[int, ...]]) -> tuple[StagePlan, ...]:
+def _stages(model: nn.Module, *, pp: int, ranks_of: list[tuple[int, ...]], recompute: str) -> tuple[StagePlan, ...]:
     owner, layers = _layer_list(model)
     if len(layers) < pp:
         raise ConfigError(f"{len(layers)} layers cannot fill pp={pp} stages; choose pp <= {len(layers)}")
@@ -65,7 +65,8 @@ def _stages(model: nn.Module, *, pp: int, ranks_of: list[tuple[int, ...]]) -> tu
     stages, lo = [], 0
     for i in range(pp):
         hi = lo + per + (1 if i < extra else 0)
-        stages.append(StagePlan(index=i, pp_rank=i, modules=tuple(layers[lo:hi]), ranks=ranks_of[i]))
+        stages.append(StagePlan(index=i, pp_rank=i, modules=tuple(layers[lo:hi]), ranks=ranks_of[i],
+                                recompute=recompute))
         lo = hi
     return tuple(stages)
 
@@ -79,6 +80,7 @@ def manual_plan(
     pp: int = 1,
     zero_stage: int = 0,
     sequence_parallel: bool = False,
+    recompute: str = "none",
     microbatch_size: int = 1,
     num_microbatches: int = 1,
     schedule: str = "1f1b",
@@ -88,7 +90,8 @@ def manual_plan(
 ) -> Plan:
     """A Plan with the given degrees for ``model`` (module names from ``megatron_shardings`` when tp > 1).
 
-    ``cp`` > 1: context parallel (``runtime.context_parallel``); ``seq_len`` (if given) must be divisible by 2 cp."""
+    ``cp`` > 1: context parallel (``runtime.context_parallel``); ``seq_len`` (if given) must be divisible by 2 cp.
+    ``recompute``: every stage's activation recomputation (none / selective / full)."""
     degrees = ParallelDegrees(tp=tp, cp=cp, dp=dp, pp=pp)
     world = degrees.world_size
     if shardings is None:
@@ -107,7 +110,7 @@ def manual_plan(
         cluster=ClusterInfo(name="local", num_devices=world, nodes=1, gpus_per_node=world, gpu="cpu"),
         degrees=degrees,
         mesh=MeshSpec.from_degrees(degrees),
-        stages=_stages(model, pp=pp, ranks_of=ranks_of),
+        stages=_stages(model, pp=pp, ranks_of=ranks_of, recompute=recompute),
         shardings=shardings,
         zero_stage=zero_stage,
         sequence_parallel=sequence_parallel,

@@ -37,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from costmodel.errors import ConfigError, PlanMismatchError
 from planner.plan import Plan, check_plan_matches, load_plan, model_fingerprint
+from runtime.checkpointing import apply_plan_recompute
 from runtime.context_parallel import ContextParallel, apply_context_parallel, check_context_parallel
 from runtime.data_parallel import apply_data_parallel, unwrap
 from runtime.materialize import materialize
@@ -233,6 +234,7 @@ def apply_plan(
         model.to(device)
     if d.pp > 1:
         return _apply_pipelined(model, plan, mesh=mesh, loss_fn=loss_fn, seed=seed, device=device, is_meta=is_meta)
+    apply_plan_recompute(model, plan=plan)
     module = apply_tensor_parallel(model, plan=plan, mesh=mesh)
     context = apply_context_parallel(module, plan=plan, mesh=mesh)
     dp = grad_mesh(mesh).size()  # gradients are averaged over dp x cp

@@ -573,3 +573,16 @@ def test_planner_made_pipeline_plan_runs_and_matches_single_process():
     assert plan.degrees.pp == 2 and plan.schedule.virtual_stages == 2
     results = run_distributed(_planned_body, world_size=2, args=(plan.to_dict(),), timeout_s=300)
     _check_plan("planner-made", "llama", False, plan, results)
+
+
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_plan_recompute_without_a_pipeline_sets_every_layer(mode):
+    """pp = 1: apply_plan sets the plan's single stage's recomputation on every transformer layer."""
+    from runtime.checkpointing import apply_plan_recompute, recompute_mode
+    from runtime.manual_plan import manual_plan
+    from runtime.model_adapters import adapter_for
+
+    model = tiny_model("llama")
+    apply_plan_recompute(model, plan=manual_plan(model, recompute=mode))
+    layers = adapter_for(model).layout.layers
+    assert [recompute_mode(model.get_submodule(fqn)) for fqn in layers] == [mode] * len(layers)

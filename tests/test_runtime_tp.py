@@ -20,6 +20,7 @@ TP2_CASES = [
     ("opt tp2", "opt", dict(tp=2, microbatch_size=2, num_microbatches=2)),
     ("opt tp2 sp", "opt", dict(tp=2, sequence_parallel=True, microbatch_size=4)),
     ("llama tp2 sp", "llama", dict(tp=2, sequence_parallel=True, microbatch_size=2, num_microbatches=2)),
+    ("llama tp2 recompute full (pp=1)", "llama", dict(tp=2, recompute="full", microbatch_size=4)),
     ("mixtral tp2 (attention)", "mixtral", dict(tp=2, microbatch_size=4)),
     ("opt tied embeddings tp2 sp", "opt_tied", dict(tp=2, sequence_parallel=True, microbatch_size=4)),
     (
