@@ -157,7 +157,10 @@ def _tp_comm(c: LayerCtx, tokens: int) -> tuple[str, float]:
 def transformer_time(c: LayerCtx, layer: LayerWork) -> LayerTime:
     w, k = c.workload, c.constants
     tokens = max(1, c.microbatch * w.seq // c.cp)
-    gemm_flops = max(0.0, layer.flops_fwd - layer.attn_flops_fwd) * c.microbatch / (c.tp * c.cp)
+    # routed experts run whole on each tp rank (runtime.expert_parallel copies them over tp): not divided by tp
+    expert_flops = 2.0 * w.seq * max(1, w.topk) * layer.expert_params / w.experts if w.experts else 0.0
+    dense_flops = max(0.0, layer.flops_fwd - layer.attn_flops_fwd - expert_flops)
+    gemm_flops = (dense_flops / c.tp + expert_flops) * c.microbatch / c.cp
     t_gemm = gemm_flops * _gemm_time_per_flop(c, tokens)
     t_attn_f, t_attn_b = _attention_s(c, layer, tokens)
     elem_bytes = tokens * (k.elementwise_replicated_bytes * w.hidden / (c.tp if c.sp else 1)

@@ -235,7 +235,7 @@ def _rank_params_cached(layers: ByIdentity, stage_layers: tuple[int, ...], tp: i
                         pp: int) -> tuple[np.ndarray, np.ndarray]:
     uniques, counts = _structure_cached(layers, stage_layers)
     dense = counts @ np.array([(l.params - l.expert_params) / tp for l in uniques])
-    expert = counts @ np.array([l.expert_params / (tp * ep) for l in uniques])
+    expert = counts @ np.array([l.expert_params / ep for l in uniques])  # whole experts, copied over tp (runtime)
     v = counts.shape[0] // pp
     out = dense.reshape(v, pp).sum(axis=0), expert.reshape(v, pp).sum(axis=0)
     for a in out:
@@ -244,7 +244,8 @@ def _rank_params_cached(layers: ByIdentity, stage_layers: tuple[int, ...], tp: i
 
 
 def _rank_params(workload: Workload, stage_layers: tuple[int, ...], cfg: ParallelConfig) -> tuple[np.ndarray, np.ndarray]:
-    """(dense, expert) parameters each pipeline rank holds (sharded over tp, experts also over ep); read-only."""
+    """(dense, expert) parameters each pipeline rank holds (dense sharded over tp; experts over ep and copied on
+    each tp rank, as runtime.expert_parallel runs them); read-only."""
     return _rank_params_cached(ByIdentity(workload.layers), tuple(stage_layers), cfg.tp, cfg.ep, cfg.pp)
 
 

@@ -71,6 +71,11 @@ def set_recompute(module: nn.Module, mode: str) -> nn.Module:
     """Make ``module`` (one transformer layer) recompute per ``mode``; idempotent, ``none`` undoes it."""
     if mode not in MODES:
         raise ConfigError(f"recompute={mode!r} is unknown; choose one of {MODES}")
+    if mode == "selective" and any(isinstance(getattr(m, "experts", None), nn.Module) for m in module.modules()):
+        raise ConfigError(
+            f"recompute='selective' cannot run on the MoE layer {type(module).__name__}: its router changes a "
+            "tensor that selective checkpointing saved; use recompute='full' or 'none' (--fix recompute=full)"
+        )
     orig = module.__dict__.get(_ORIG_FORWARD)
     if orig is not None:  # undo an earlier setting first
         del module.__dict__[_ORIG_FORWARD]

@@ -586,3 +586,13 @@ def test_plan_recompute_without_a_pipeline_sets_every_layer(mode):
     apply_plan_recompute(model, plan=manual_plan(model, recompute=mode))
     layers = adapter_for(model).layout.layers
     assert [recompute_mode(model.get_submodule(fqn)) for fqn in layers] == [mode] * len(layers)
+
+
+def test_selective_recompute_is_refused_on_moe_layers():
+    from runtime.checkpointing import set_recompute
+    from runtime_cases import mixtral_model
+
+    layer = mixtral_model().model.layers[0]
+    with pytest.raises(ConfigError, match="selective.*MoE.*recompute=full"):
+        set_recompute(layer, "selective")
+    set_recompute(layer, "full")  # full recomputation runs on MoE layers

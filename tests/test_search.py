@@ -353,3 +353,26 @@ def test_plans_stay_within_what_the_runtime_executes():
     assert styles["lm_head"] == "vocab_head"
     assert styles["model.decoder.embed_tokens"] == "vocab_embedding"
     assert styles["model.decoder.embed_positions"] == "replicate"
+
+
+def test_moe_models_are_never_priced_with_selective_recompute():
+    """The runtime's selective checkpointing fails on MoE routers: the search must not even price it there
+    (dense models still get it), unless the user pins it with --fix."""
+    from costmodel.analytic import llama_workload
+    from costmodel.step import estimate_step
+
+    def recompute_priced(workload, fix=None):
+        seen = set()
+
+        def recording(w, cfg, cluster, **kw):
+            seen.add(cfg.recompute)
+            return estimate_step(w, cfg, cluster, **kw)
+
+        driver.search(workload=workload, cluster=make_cluster("dgx-a100-80gb", 1), global_batch=16,
+                      estimate=recording, fix=fix)
+        return seen
+
+    dims = dict(layers=4, hidden=1024, ffn_hidden=2048, heads=16, kv_heads=8, vocab=32000, seq=2048)
+    assert "selective" in recompute_priced(llama_workload(**dims))
+    assert "selective" not in recompute_priced(llama_workload(**dims, experts=8, topk=2))
+    assert recompute_priced(llama_workload(**dims, experts=8, topk=2), fix="recompute=selective") == {"selective"}

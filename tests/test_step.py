@@ -229,3 +229,25 @@ def test_context_parallel_kv_traffic_is_on_the_critical_path():
     rs = collective_time_s("reduce_scatter", nbytes, Group(size=2, stride=1), cluster).time_s
     assert t.comm_fwd == pytest.approx({"nvswitch": ag})
     assert t.comm_bwd == pytest.approx({"nvswitch": rs})
+
+
+def test_experts_are_whole_on_each_tp_rank():
+    """runtime.expert_parallel keeps experts whole per ep rank and copies them over tp: the step model holds
+    expert_params / ep per rank whatever tp is, and expert GEMMs are not divided by tp (dense ones are)."""
+    from costmodel.step import _rank_params
+
+    w = llama_workload(layers=2, hidden=1024, ffn_hidden=3584, heads=16, kv_heads=8, vocab=32000, seq=1024,
+                       experts=8, topk=2)
+    layer = next(l for l in w.layers if l.kind == "transformer")
+    for tp in (1, 2):
+        cfg = ParallelConfig(tp=tp, dp=4, ep=2, microbatch=1, global_batch=8)
+        dense, expert = _rank_params(w, even_stage_layers(w, 1), cfg)
+        assert expert[0] == pytest.approx(2 * layer.expert_params / 2)
+        assert dense[0] == pytest.approx(sum(l.params - l.expert_params for l in w.layers) / tp)
+    cluster = make_cluster("dgx-a100-80gb", 1)
+    one = estimate_step(w, ParallelConfig(tp=1, dp=8, ep=2, microbatch=1, global_batch=8), cluster)
+    two = estimate_step(w, ParallelConfig(tp=2, dp=4, ep=2, microbatch=1, global_batch=8), cluster)
+    # per micro-batch (tp=2 has twice the samples per rank), at tp=2 only the dense GEMMs (attention, router,
+    # head) halve: compute falls, by less than half
+    per_mb = lambda e: e.breakdown_s["compute"] / e.num_microbatches  # noqa: E731
+    assert 0.5 * per_mb(one) < per_mb(two) < per_mb(one)

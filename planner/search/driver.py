@@ -32,13 +32,12 @@ give the same plan: every loop runs in a fixed order and ties break on the struc
 
 from __future__ import annotations
 
-import dataclasses
 
 import itertools
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
 from costmodel.errors import AutoparError, ConfigError, InfeasiblePlanError
@@ -396,6 +395,9 @@ def search(
         from costmodel.step import estimate_step as estimate
     options = options or sp.SearchOptions()
     fixed = sp.parse_fix(fix)
+    if workload.experts and "recompute" not in fixed and set(options.recompute) - {"selective"}:
+        # the runtime's selective checkpointing fails on MoE routers (an in-place op on a saved tensor)
+        options = replace(options, recompute=tuple(r for r in options.recompute if r != "selective"))
     t0 = time.perf_counter()
     deadline = None if time_limit_s is None else t0 + max(0.0, float(time_limit_s))
     ctx = _Ctx(workload=workload, cluster=cluster, global_batch=int(global_batch), estimate=estimate,
