@@ -33,6 +33,7 @@ give the same plan: every loop runs in a fixed order and ties break on the struc
 from __future__ import annotations
 
 
+import dataclasses
 import itertools
 import logging
 import math
