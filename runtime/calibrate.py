@@ -72,7 +72,7 @@ def quick_plan(*, ranks: int, cuda: bool) -> CalibrationPlan:
         collective_bytes=tuple(1 << p for p in (10, 14, 18, 21, 23)),
         world_sizes=(ranks,),
         min_time_s=0.03,
-        collective_iters=2,
+        collective_iters=4,
     )
 
 
@@ -174,9 +174,9 @@ def _time_call(fn: Callable[[], Any], *, device: str, min_time_s: float, blocks:
 
     The best (not the mean) because on a shared machine other processes only ever slow a loop down; many
     short loops catch the moments this process had a core to itself. With a ``barrier`` (``concurrent`` ranks
-    measuring together) every block starts when all processes do and runs for the same wall time: the best
-    block is each process's rate while all of them (and the least of anything else) compete, as in the
-    fastest training steps, which ``autopar validate`` compares against."""
+    measuring together) every block starts when all processes do and runs for the same wall time, and the
+    median block counts: each process's rate while all of them compete, with whatever else the machine runs
+    at the time (as the median training step ``autopar validate`` compares against)."""
     fn()
     _sync(device)
     t0 = time.perf_counter()
@@ -194,7 +194,7 @@ def _time_call(fn: Callable[[], Any], *, device: str, min_time_s: float, blocks:
                 calls += 1
             _sync(device)
             per_call.append((time.perf_counter() - t0) / calls)
-        return min(per_call)
+        return sorted(per_call)[len(per_call) // 2]
     reps = max(1, int(min_time_s / blocks / once))
     best = float("inf")
     for _ in range(blocks):
@@ -247,7 +247,7 @@ def measure_membound(plan: CalibrationPlan, *, device: str, progress: Callable[[
 
 CONCURRENT_WINDOW_S = 0.1
 """Shortest timed window per block when processes measure together."""
-DISPATCH_LAYERS = (1, 4)
+DISPATCH_LAYERS = (1, 6)
 DISPATCH_BLOCK_S = 0.3
 """Shortest block of the interleaved dispatch timing (several rounds of every variant)."""
 DISPATCH_TOKENS = 8
@@ -257,11 +257,11 @@ def _time_interleaved(fns: list[Callable[[], Any]], *, min_time_s: float, blocks
                       barrier: Any = None) -> list[float]:
     """Seconds per call of each of ``fns``, called in turn within the same timed blocks (so a difference of two
     of them is not a difference of two moments' load) from the fastest block; with a ``barrier`` the blocks
-    start when every process's do."""
+    start when every process's do and the block of median total time counts (see ``_time_call``)."""
     for fn in fns:
         fn()
     window = max(min_time_s / blocks, CONCURRENT_WINDOW_S if barrier is not None else 0.0)
-    best: list[float] | None = None
+    per_block: list[list[float]] = []
     for _ in range(blocks):
         if barrier is not None:
             barrier.wait()
@@ -273,10 +273,9 @@ def _time_interleaved(fns: list[Callable[[], Any]], *, min_time_s: float, blocks
                 fn()
                 spent[i] += time.perf_counter() - t0
             calls += 1
-        if best is None or sum(spent) / calls < sum(best):
-            best = [t / calls for t in spent]
-    assert best is not None
-    return best
+        per_block.append([t / calls for t in spent])
+    per_block.sort(key=sum)
+    return per_block[len(per_block) // 2] if barrier is not None else per_block[0]
 
 
 _TP_COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc1", "c_fc")
@@ -294,6 +293,9 @@ def _tensor_parallel_fixture(model: torch.nn.Module) -> torch.nn.Module:
 
     if not dist.is_initialized():  # measure_dispatch destroys it
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    world = dist.get_world_size()  # inside a job's ranks (validate): each its own 1-rank tp mesh, made together
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("rank", "tp"))["tp"] if world > 1 else (
+        init_device_mesh("cpu", (1,)))
     plan: dict[str, Any] = {}
     for name, _ in model.named_modules():
         leaf = name.rpartition(".")[2]
@@ -305,7 +307,7 @@ def _tensor_parallel_fixture(model: torch.nn.Module) -> torch.nn.Module:
             plan[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
         elif leaf == "lm_head":
             plan[name] = ColwiseParallel(output_layouts=Replicate())
-    return parallelize_module(model, init_device_mesh("cpu", (1,)), plan)
+    return parallelize_module(model, mesh, plan)
 
 
 def measure_dispatch(
@@ -357,20 +359,55 @@ def _measure_dispatch(build: Callable[[int], torch.nn.Module], *, min_time_s: fl
     return points
 
 
+class DistBarrier:
+    """``wait()`` as ``torch.distributed.barrier()``: the compute sweep in step across a job's ranks."""
+
+    def wait(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+    def abort(self) -> None:
+        pass
+
+
+def compute_sweep(plan: CalibrationPlan, *, dispatch_model: Any, barrier: Any,
+                  progress: Callable[[], None] = lambda: None) -> tuple[list, list, list]:
+    """Matmul, memory-bound and dispatch points of this process, measured in step with the others through
+    ``barrier`` (an ``mp.Barrier`` or ``DistBarrier``)."""
+    torch.set_num_threads(plan.threads_per_rank)
+    matmul = measure_matmul(plan, device="cpu", progress=progress, barrier=barrier)
+    membound = measure_membound(plan, device="cpu", progress=progress, barrier=barrier)
+    dispatch = []
+    if dispatch_model is not None:
+        dispatch = measure_dispatch(dispatch_model, min_time_s=plan.min_time_s, progress=progress, barrier=barrier)
+    return matmul, membound, dispatch
+
+
 def _compute_worker(rank: int, plan: CalibrationPlan, dispatch_model: Any, barrier: Any, results: Any) -> None:
     """One of ``concurrent`` processes running the compute sweep in step with the others (CPU)."""
-    torch.set_num_threads(plan.threads_per_rank)
     try:
         tick = (lambda: results.put(("tick", None))) if rank == 0 else (lambda: None)
-        matmul = measure_matmul(plan, device="cpu", progress=tick, barrier=barrier)
-        membound = measure_membound(plan, device="cpu", progress=tick, barrier=barrier)
-        dispatch = []
-        if dispatch_model is not None:
-            dispatch = measure_dispatch(dispatch_model, min_time_s=plan.min_time_s, progress=tick, barrier=barrier)
+        matmul, membound, dispatch = compute_sweep(plan, dispatch_model=dispatch_model, barrier=barrier,
+                                                   progress=tick)
         results.put(("done", (rank, matmul, membound, dispatch)))
     except Exception:  # reported to the parent, which raises it
         barrier.abort()
         results.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
+
+
+def with_compute(cal: Calibration, sweeps: list[tuple[list, list, list]], *, note: str = "") -> Calibration:
+    """``cal`` with the compute measurements of ``sweeps`` (one ``compute_sweep`` per process, taken together:
+    per point the slowest process) in place of its own; collectives kept."""
+    matmul, membound, dispatch = (_slowest([sw[i] for sw in sweeps]) for i in range(3))
+    return build_calibration(
+        device_name=cal.device_name, accelerator=cal.accelerator,
+        date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), backend=cal.backend,
+        memory_gb=cal.memory_gb, matmul=tuple(matmul), membound=tuple(membound), collectives=cal.collectives,
+        threads_per_rank=cal.threads_per_rank, torch_version=torch.__version__, cpu_cores=cal.cpu_cores,
+        concurrent_ranks=len(sweeps), dispatch=tuple(dispatch),
+        notes=f"compute re-measured in {len(sweeps)} processes at once{note}; collectives of {cal.date}",
+    )  # fmt: skip
 
 
 def _slowest(per_rank: list[list]) -> list:
@@ -473,23 +510,55 @@ def _make_op(op: str, nbytes: int, rank: int, world: int, device: str) -> tuple[
     return fn, numel * 4
 
 
-def _time_collective(fn: Callable[[], Any], *, device: str, iters: int, blocks: int) -> float:
-    """Best over ``blocks`` of the slowest rank's mean time per call (collective: every rank calls it)."""
+BURST_MATMULS = 6
+"""Matmuls of (256, 256) @ (256, 256) in the compute burst before each timed CPU collective: ~2 ms on one core,
+a decoder layer's worth of work between two collectives."""
+
+
+def _burst(device: str) -> Callable[[], None]:
+    a = torch.randn(256, 256, device=device)
+    out = torch.empty_like(a)
+
+    def run() -> None:
+        for _ in range(BURST_MATMULS):
+            torch.mm(a, a, out=out)
+
+    return run
+
+
+def _time_collective(fn: Callable[[], Any], *, device: str, iters: int, blocks: int,
+                     burst: Callable[[], None] | None = None) -> float:
+    """Best over ``blocks`` of the slowest rank's mean time per call (collective: every rank calls it).
+
+    With a ``burst`` (CPU ranks): every call follows a burst of compute on every rank, as collectives do in a
+    training step, and the time is that loop's minus the burst-only loop's: the collective as it costs between
+    compute phases, where ranks sharing cores arrive apart and wait for descheduled peers (4 gloo ranks on 2
+    cores: a 7 MB all-reduce took 15 ms back to back, ~30 ms more per DDP step than without it)."""
     import torch.distributed as dist
 
-    fn()
-    best = float("inf")
-    for _ in range(blocks):
+    def loop(call: bool) -> float:
         dist.barrier()
         _sync(device)
         t0 = time.perf_counter()
         for _ in range(iters):
-            fn()
+            if burst is not None:
+                burst()
+            if call:
+                fn()
         _sync(device)
         slowest = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        best = min(best, float(slowest.item()))
-    return best
+        return float(slowest.item())
+
+    fn()
+    best = base = float("inf")
+    for _ in range(blocks):
+        best = min(best, loop(True))
+        if burst is not None:
+            base = min(base, loop(False))
+    if burst is None:
+        return best
+    return max(best - base, 0.05 * best)  # noise can make the difference vanish: keep a floor
 
 
 def _collective_worker(rank: int, world: int, port: int, backend: str, plan: CalibrationPlan, results: Any) -> None:
@@ -506,12 +575,14 @@ def _collective_worker(rank: int, world: int, port: int, backend: str, plan: Cal
             backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
             timeout=_dt.timedelta(seconds=120),
         )  # fmt: skip
+        burst = _burst(device) if backend == "gloo" else None
         for op in plan.ops:
             if op == "send_recv" and world != 2:
                 continue  # point-to-point is measured on a pair
             for nbytes in plan.collective_bytes:
                 fn, real_bytes = _make_op(op, nbytes, rank, world, device)
-                best = _time_collective(fn, device=device, iters=plan.collective_iters, blocks=plan.collective_blocks)
+                best = _time_collective(fn, device=device, iters=plan.collective_iters, blocks=plan.collective_blocks,
+                                        burst=burst)
                 if op == "send_recv":
                     best /= 2.0
                 if rank == 0:

@@ -50,6 +50,9 @@ class RankMeasurement:
     peak_rss_bytes: int
     base_rss_bytes: int
     losses: tuple[float, ...]
+    compute_sweep: tuple = ()
+    """With ``calibrate_after``: this rank's (matmul, memory-bound, dispatch) calibration points, measured right
+    after the steps with every rank at once (``runtime.calibrate.compute_sweep``)."""
 
     @property
     def model_rss_bytes(self) -> int:
@@ -131,9 +134,18 @@ def _rank_body(rank: int, plan: Plan, model_factory: Callable[[], nn.Module], cf
             times.append(dt)
             losses.append(float(loss))
     dist.barrier()
+    peak = _peak_rss_bytes()
+    sweep: tuple = ()
+    if cfg.get("calibrate_after"):
+        from runtime.calibrate import DistBarrier, compute_sweep, quick_plan
+
+        del pm, opt, model
+        sweep = compute_sweep(quick_plan(ranks=dist.get_world_size(), cuda=False),
+                              dispatch_model=cfg.get("dispatch_model"), barrier=DistBarrier())
+        dist.barrier()
     return RankMeasurement(
         rank=rank, step_times_s=tuple(times), step_time_s=statistics.median(times),
-        peak_rss_bytes=_peak_rss_bytes(), base_rss_bytes=base, losses=tuple(losses),
+        peak_rss_bytes=peak, base_rss_bytes=base, losses=tuple(losses), compute_sweep=sweep,
     )
 
 
@@ -174,18 +186,23 @@ def measure_plan(
     threads_per_rank: int = 1,
     compute_dtype: str = "bf16",
     timeout_s: float = 600.0,
+    calibrate_after: bool = False,
+    dispatch_model: Callable[[int], nn.Module] | None = None,
 ) -> list[RankMeasurement]:
     """Run ``plan`` on ``plan.degrees.world_size`` local gloo ranks; one measurement per rank, by rank.
 
     ``model_factory()`` builds the (meta-device) model in each rank process; it must pickle by name (a module-level
-    function or a ``functools.partial`` of one).
+    function or a ``functools.partial`` of one). ``calibrate_after``: the ranks then take the quick compute
+    calibration sweep together (``dispatch_model`` builds its decoder; ~15 s), so the machine's state at the
+    steps can price them (``runtime.calibrate.with_compute``).
     """
     if steps < 1 or warmup < 0:
         raise ConfigError(f"steps={steps} must be >= 1 and warmup={warmup} >= 0")
     if compute_dtype not in ("bf16", "fp32"):
         raise ConfigError(f"compute_dtype={compute_dtype!r}; choose bf16 (the planner's) or fp32")
     world = plan.degrees.world_size
-    payload = pickle.dumps((plan, model_factory, {"steps": steps, "warmup": warmup, "compute_dtype": compute_dtype}))
+    payload = pickle.dumps((plan, model_factory, {"steps": steps, "warmup": warmup, "compute_dtype": compute_dtype,
+                                                  "calibrate_after": calibrate_after, "dispatch_model": dispatch_model}))
     ctx = torch.multiprocessing.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()

@@ -176,3 +176,82 @@ def test_autopar_calibrate_quick_writes_a_usable_profile(tmp_path, capsys):
     assert {f.op for f in cal.collective_fits} == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv"}
     cluster = resolve_cluster("local", gpus_per_node=2, profile_path=out)
     assert cluster.gpu.tflops("fp32") == cal.matmul_fit("fp32").peak_tflops
+
+
+def _dispatch_points(layer=(1e-3, 2e-3), model=(3e-3, 1e-3), tp_layer=(4e-3, 6e-3), tp_model=(5e-3, 2e-3)):
+    from costmodel.calibration import DispatchPoint
+
+    pts = []
+    for tp, (lf, lb), (mf, mb) in ((False, layer, model), (True, tp_layer, tp_model)):
+        pts += [DispatchPoint(layers=n, fwd_s=mf + n * lf, bwd_s=mb + n * lb, tensor_parallel=tp) for n in (1, 4, 6)]
+    return tuple(pts)
+
+
+def test_dispatch_fit_recovers_per_layer_and_fixed_time():
+    from costmodel.calibration import fit_dispatch
+
+    fit = fit_dispatch(_dispatch_points())
+    assert (fit.layer_fwd_s, fit.layer_bwd_s, fit.model_fwd_s, fit.model_bwd_s) == pytest.approx((1e-3, 2e-3, 3e-3, 1e-3))
+    assert (fit.tp_layer_fwd_s, fit.tp_layer_bwd_s, fit.tp_model_fwd_s, fit.tp_model_bwd_s) == pytest.approx(
+        (4e-3, 6e-3, 5e-3, 2e-3))
+    from costmodel.calibration import DispatchPoint
+
+    with pytest.raises(ProfileError, match=">= 2 layer counts"):
+        fit_dispatch([DispatchPoint(layers=2, fwd_s=1e-3, bwd_s=1e-3)])
+
+
+def _with_dispatch(**kw):
+    base = _synthetic()
+    return build_calibration(
+        device_name=base.device_name, accelerator=base.accelerator, date=base.date, backend=base.backend,
+        memory_gb=base.memory_gb, matmul=base.matmul, membound=base.membound, collectives=base.collectives,
+        dispatch=_dispatch_points(), **kw,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("suffix", [".json", ".toml"])
+def test_round_trip_with_dispatch_and_cores(tmp_path, suffix):
+    cal = _with_dispatch(cpu_cores=2, concurrent_ranks=4)
+    assert cal.dispatch_fit is not None
+    assert load_calibration(save_calibration(cal, tmp_path / f"cal{suffix}")) == cal
+
+
+def test_ranks_beyond_the_cores_share_them():
+    from costmodel.calibration import shared_by
+
+    one = _with_dispatch(cpu_cores=2, concurrent_ranks=1)  # measured alone: 4 ranks get half a core each
+    assert one.rank_share(2) == 1.0 and one.rank_share(4) == 0.5 and one.rank_share(8) == 0.25
+    four = shared_by(one, 4)
+    assert four.matmul_fit("fp32").peak_tflops == pytest.approx(0.5 * one.matmul_fit("fp32").peak_tflops)
+    assert four.membound_gbps == pytest.approx(0.5 * one.membound_gbps)
+    assert four.dispatch_fit.tp_layer_bwd_s == pytest.approx(2 * one.dispatch_fit.tp_layer_bwd_s)
+    assert four.collective_fits == one.collective_fits  # measured with the ranks running
+    together = _with_dispatch(cpu_cores=2, concurrent_ranks=4)  # measured with 4 at once: as measured for 4
+    assert shared_by(together, 4) is together and together.rank_share(2) == 2.0
+    assert shared_by(_synthetic(), 64) == _synthetic()  # cores not recorded: no sharing assumed
+
+
+def test_dispatch_time_is_priced_per_layer_and_pass():
+    from costmodel.compute import dispatch_time_s
+    from costmodel.profiles import make_cluster
+    from costmodel.step import ParallelConfig, estimate_step
+    from costmodel.workload import LayerWork, Workload
+
+    plain, with_dispatch = _synthetic(), _with_dispatch()
+    cpu = make_cluster("local", 1, gpus_per_node=2, calibration=with_dispatch).gpu
+    assert dispatch_time_s(part="layer", device=cpu, calibration=with_dispatch) == pytest.approx((1e-3, 2e-3))
+    assert dispatch_time_s(part="layer", device=cpu, calibration=with_dispatch, tensor_parallel=True) == pytest.approx(
+        (4e-3, 6e-3))
+    assert dispatch_time_s(part="model", device=cpu, calibration=plain) == (0.0, 0.0)
+    h, s, v = 64, 16, 128
+    layers = (LayerWork(name="embedding", kind="embedding", params=v * h, flops_fwd=0.0, flops_bwd=0.0),) + tuple(
+        LayerWork(name=f"layers.{i}", kind="transformer", params=12 * h * h, flops_fwd=24.0 * s * h * h,
+                  flops_bwd=48.0 * s * h * h) for i in range(3)) + (
+        LayerWork(name="head", kind="head", params=v * h, flops_fwd=2.0 * s * h * v, flops_bwd=4.0 * s * h * v),)
+    wl = Workload(name="tiny", layers=layers, hidden=h, heads=2, kv_heads=2, ffn_hidden=4 * h, vocab=v, seq=s,
+                  num_layers=3)
+    cfg = ParallelConfig(tp=1, pp=1, dp=2, microbatch=1, global_batch=4)  # 2 micro-batches per rank
+    times = [estimate_step(wl, cfg, make_cluster("local", 1, gpus_per_node=2, calibration=c)).breakdown_s["compute"]
+             for c in (plain, with_dispatch)]
+    per_microbatch = 3 * (1e-3 + 2e-3) + (3e-3 + 1e-3)  # 3 layers' forward + backward, the model's rest
+    assert times[1] - times[0] == pytest.approx(2 * per_microbatch, rel=1e-6)

@@ -48,12 +48,60 @@ def test_row_error_is_relative_to_measured():
     plan = manual_plan(_opt(), dp=2)
     plan = dataclasses.replace(plan, prediction=dataclasses.replace(plan.prediction, step_time_s=1.2,
                                                                      memory_gb_per_device=0.5))
-    ms = [RankMeasurement(rank=r, step_times_s=(t,), step_time_s=t, peak_rss_bytes=int(3e8), base_rss_bytes=int(1e8),
-                          losses=(1.0,)) for r, t in enumerate((0.9, 1.0))]
+    # per step the slowest rank counts: steps (1.0, 0.8, 1.3) -> median 1.0, fastest 0.8
+    times = ((0.9, 0.8, 1.3), (1.0, 0.7, 1.2))
+    ms = [RankMeasurement(rank=r, step_times_s=t, step_time_s=sorted(t)[1], peak_rss_bytes=int(3e8),
+                          base_rss_bytes=int(1e8), losses=(1.0,) * 3) for r, t in enumerate(times)]
+    assert cmd.step_times_s(ms) == [1.0, 0.8, 1.3]
     row = cmd._row(plan, ms)
-    assert row["measured_s"] == 1.0 and row["error"] == pytest.approx(0.2)
+    assert row["measured_s"] == 1.0 and row["fastest_s"] == 0.8 and row["error"] == pytest.approx(0.2)
     assert row["measured_gb"] == pytest.approx(0.2)
-    assert "+20.0%" in cmd._format([row], header=True)
+    table = cmd._format([row], header=True)
+    assert "+20.0%" in table and "0.800" in table and "1.200" in table
+
+
+TINY = "llama:layers=2,hidden=64,ffn=128,heads=2,kv_heads=2,vocab=128,seq=16"
+
+
+def _cal(scale: float = 1.0, bf16_peak: float | None = None):
+    import test_calibration as tc
+    from costmodel.calibration import MatmulPoint, build_calibration
+
+    base = tc._with_dispatch(cpu_cores=2, concurrent_ranks=2)
+    matmul = tuple(dataclasses.replace(p, time_s=p.time_s / scale) for p in base.matmul)
+    if bf16_peak is not None:  # bf16 points at a flat rate
+        matmul += tuple(MatmulPoint(m=p.m, n=p.n, k=p.k, dtype="bf16", time_s=p.flops / (bf16_peak * 1e12))
+                        for p in base.matmul)
+    return build_calibration(
+        device_name=base.device_name, accelerator=base.accelerator, date=base.date, backend=base.backend,
+        memory_gb=base.memory_gb, matmul=matmul, membound=base.membound, collectives=base.collectives,
+        dispatch=base.dispatch, cpu_cores=2, concurrent_ranks=2,
+    )  # fmt: skip
+
+
+def test_compute_dtype_follows_the_calibration():
+    emulated = _cal(bf16_peak=1e-4)  # bf16 far below fp32 (0.05 TFLOP/s): a CPU without native bf16
+    assert cmd.compute_dtype(emulated, "auto") == "fp32" and cmd.compute_dtype(emulated, "bf16") == "bf16"
+    assert cmd.compute_dtype(_cal(bf16_peak=1.0), "auto") == "bf16"
+    assert cmd.compute_dtype(None, "auto") == "fp32"
+    fp32_only = cmd.calibration_for(emulated, "fp32")
+    assert [f.dtype for f in fp32_only.matmul_fits] == ["fp32"] and fp32_only.dispatch_fit == emulated.dispatch_fit
+    assert cmd.calibration_for(emulated, "bf16") is emulated
+
+
+def test_plans_made_on_the_fly_are_priced_with_the_calibration():
+    from costmodel.profiles import make_cluster
+
+    args = _parse("--model", TINY, "--gpus-per-node", "2", "--global-batch", "4", "--fix", "dp=2,zero=0")
+    slow, fast = _cal(), _cal(scale=4.0)
+    (p_slow,), (p_fast,) = cmd._plans(args, slow, "fp32"), cmd._plans(args, fast, "fp32")
+    assert p_fast.prediction.step_time_s < p_slow.prediction.step_time_s
+    # the same configuration re-priced on the calibrated cluster gives the plan's own prediction
+    again = cmd.reprice(p_slow, make_cluster("local", 1, gpus_per_node=2, calibration=slow), dtype="fp32")
+    assert again.prediction.step_time_s == pytest.approx(p_slow.prediction.step_time_s, rel=1e-12)
+    assert p_slow.prediction.breakdown_s["compute"] > 3 * (1e-3 + 2e-3)  # the calibrated dispatch time is in it
+    bf16 = cmd.reprice(p_slow, make_cluster("local", 1, gpus_per_node=2, calibration=slow), dtype="bf16")
+    assert bf16.prediction.step_time_s < p_slow.prediction.step_time_s  # half the bytes to reduce
 
 
 def test_bad_input_is_a_typed_error():

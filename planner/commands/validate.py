@@ -6,7 +6,9 @@ plan's predictions.
 the plan(s) on the fly (one per ``--fix``), priced with the local calibration (``--profile``, default the newest
 file in ``profiles/calibration/``), and measures them. ``--calibrate`` first takes a quick calibration with as
 many ranks as the plans use (so prediction and measurement see the machine in the same state; the machine may
-be shared) and prices the plans with it.
+be shared) and prices the plans with it; each plan's ranks then measure the compute rates again right after
+their steps (~15 s), all at once, and that plan is priced with them: the load of a shared machine changes
+within minutes, so prediction and measurement see it alike.
 
 Compute dtype: ``auto`` runs bf16 (what the planner prices) only where the calibration measured bf16 matmuls at
 least as fast as fp32; a CPU without native bf16 emulates it 30-70x slower than fp32 (0.4-2.9 vs 44-90 GFLOP/s
@@ -84,9 +86,9 @@ def calibration_for(cal, dtype: str):
     return dataclasses.replace(cal, matmul_fits=(cal.matmul_fit("fp32"),))
 
 
-def priced_for_dtype(plan, cluster, *, dtype: str):
-    """``plan`` with its prediction re-priced for ``dtype`` compute: the planner traces bf16 (activation,
-    gradient and tp / dp message bytes of 2 per element); fp32 runs move 4. Same configuration, even cuts."""
+def reprice(plan, cluster, *, dtype: str):
+    """``plan``'s configuration priced on ``cluster`` for ``dtype`` compute (even cuts): the planner traces bf16
+    (activation, gradient and tp / dp message bytes of 2 per element); fp32 runs move 4."""
     import dataclasses
 
     from costmodel.step import ParallelConfig, estimate_step
@@ -94,17 +96,22 @@ def priced_for_dtype(plan, cluster, *, dtype: str):
     from planner.workload import workload_from_model
 
     workload, _ = workload_from_model(plan.model.name, seq=plan.model.seq_len)
-    dtype_bytes = {"fp32": 4, "bf16": 2}[dtype]
-    if workload.dtype_bytes == dtype_bytes:
-        return plan
+    workload = dataclasses.replace(workload, dtype_bytes={"fp32": 4, "bf16": 2}[dtype])
     d, s = plan.degrees, plan.schedule
     cfg = ParallelConfig(
         tp=d.tp, pp=d.pp, dp=d.dp, cp=d.cp, ep=d.ep, microbatch=s.microbatch_size, global_batch=plan.global_batch,
         schedule=s.name, virtual_stages=s.virtual_stages, recompute=plan.stages[0].recompute if plan.stages else "none",
         sequence_parallel=plan.sequence_parallel, zero_stage=plan.zero_stage,
     )
-    est = estimate_step(dataclasses.replace(workload, dtype_bytes=dtype_bytes), cfg, cluster)
-    return dataclasses.replace(plan, prediction=prediction(est))
+    return dataclasses.replace(plan, prediction=prediction(estimate_step(workload, cfg, cluster)))
+
+
+def priced_for_dtype(plan, cluster, *, dtype: str):
+    """``plan`` as made, or re-priced when ``dtype`` compute moves other bytes than the traced (bf16) model."""
+    from planner.workload import workload_from_model
+
+    workload, _ = workload_from_model(plan.model.name, seq=plan.model.seq_len)
+    return plan if workload.dtype_bytes == {"fp32": 4, "bf16": 2}[dtype] else reprice(plan, cluster, dtype=dtype)
 
 
 def _plans(args: argparse.Namespace, cal, dtype: str = "bf16") -> list:
@@ -173,8 +180,19 @@ def run(args: argparse.Namespace) -> int:
             print(f"autopar validate: warning: plan made for {plan.cluster.name!r}, not 'local': predictions are "
                   "for that cluster", file=sys.stderr)
         factory = functools.partial(build_model_for, plan.model.name, plan.global_batch, plan.model.seq_len)
+        from planner.commands.calibrate import dispatch_model
+
         got = measure_plan(plan, model_factory=factory, steps=args.steps, warmup=args.warmup,
-                           threads_per_rank=threads, compute_dtype=dtype)
+                           threads_per_rank=threads, compute_dtype=dtype, calibrate_after=args.calibrate,
+                           dispatch_model=dispatch_model)
+        if args.calibrate:  # this plan's prediction from the compute rates its ranks measured right after
+            from costmodel.profiles import make_cluster
+            from runtime.calibrate import with_compute
+
+            now = with_compute(cal, [m.compute_sweep for m in got])
+            cluster = make_cluster("local", 1, gpus_per_node=plan.degrees.world_size,
+                                   calibration=calibration_for(now, dtype))
+            plan = reprice(plan, cluster, dtype=dtype)
         rows.append(_row(plan, got))
         print(_format([rows[-1]], header=len(rows) == 1), flush=True)
     if not rows:
@@ -187,8 +205,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"machine: {world} ranks on {os.cpu_count()} cores, load average {load_before:.1f} before / "
           f"{os.getloadavg()[0]:.1f} after the runs{shared}")
     within = sum(1 for r in rows if abs(r["error"]) <= 0.20)
-    print(f"{within} of {len(rows)} plans within 20% of the predicted step time (meas s: the fastest measured step, "
-          "its slowest rank)")
+    print(f"{within} of {len(rows)} plans within 20% of the predicted step time (meas s: the median step, best s: the "
+          "fastest, each the slowest rank's time)")
     for r in rows:
         parts = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r["breakdown_s"].items() if v > 0)
         print(f"  predicted ms {r['plan']}: {parts}")
@@ -201,18 +219,19 @@ def step_times_s(got) -> list[float]:
 
 
 def _row(plan, got) -> dict:
-    """One table row. ``measured_s`` is the fastest step (other processes on a shared machine only slow steps
-    down; the calibration keeps its fastest blocks alike), ``median_s`` the median step."""
+    """One table row. ``measured_s`` is the median step (a shared machine's other jobs slow some steps; the
+    calibration, measured with the same ranks at once just before, keeps its median blocks alike),
+    ``fastest_s`` the fastest."""
     import statistics
 
     steps = step_times_s(got)
-    measured_s = min(steps)
+    measured_s = statistics.median(steps)
     predicted_s = plan.prediction.step_time_s
     return {
         "plan": _label(plan),
         "predicted_s": predicted_s,
         "measured_s": measured_s,
-        "median_s": statistics.median(steps),
+        "fastest_s": min(steps),
         "error": (predicted_s - measured_s) / measured_s,
         "predicted_gb": plan.prediction.memory_gb_per_device,
         "measured_gb": max(m.model_rss_bytes for m in got) / 1e9,
@@ -225,11 +244,11 @@ def _row(plan, got) -> dict:
 def _format(rows: list[dict], *, header: bool) -> str:
     lines = []
     if header:
-        lines.append(f"{'plan':<36} {'pred s':>8} {'meas s':>8} {'error':>7} {'median s':>8} {'pred GB':>8} "
+        lines.append(f"{'plan':<36} {'pred s':>8} {'meas s':>8} {'error':>7} {'best s':>8} {'pred GB':>8} "
                      f"{'meas GB':>8} {'RSS GB':>7}  per-rank median s")
     for r in rows:
         ranks = " ".join(f"{t:.3f}" for t in r["per_rank_s"])
         lines.append(f"{r['plan']:<36} {r['predicted_s']:>8.3f} {r['measured_s']:>8.3f} {100 * r['error']:>+6.1f}% "
-                     f"{r['median_s']:>8.3f} {r['predicted_gb']:>8.3f} {r['measured_gb']:>8.3f} "
+                     f"{r['fastest_s']:>8.3f} {r['predicted_gb']:>8.3f} {r['measured_gb']:>8.3f} "
                      f"{r['peak_rss_gb']:>7.3f}  {ranks}")
     return "\n".join(lines)
