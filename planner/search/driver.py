@@ -32,8 +32,6 @@ give the same plan: every loop runs in a fixed order and ties break on the struc
 
 from __future__ import annotations
 
-
-import dataclasses
 import itertools
 import logging
 import math
@@ -530,7 +528,7 @@ def plan_model(
     t_trace = time.perf_counter() - t0
     sp_tps = model_input.sequence_parallel_tps(loaded, cluster=cluster, max_tp=int(cluster.gpus_per_node))
     if sp_tps is not None:
-        options = dataclasses.replace(options or sp.SearchOptions(), sequence_parallel_tps=sp_tps)
+        options = replace(options or sp.SearchOptions(), sequence_parallel_tps=sp_tps)
     result = search(workload=loaded.workload, cluster=cluster, global_batch=global_batch, options=options,
                     fix=fix, time_limit_s=None if time_limit_s is None else max(0.0, time_limit_s - t_trace),
                     progress=progress)
