@@ -7,9 +7,11 @@ and returns one ``RankMeasurement`` per rank.
 
 What is timed: each step starts after a barrier (so a rank's time includes waiting for the slowest rank, as a
 synchronous step does) and ends after ``optimizer.step()``; ``step_time_s`` is the median over the measured steps.
-The compute dtype is the plan's: the planner prices bf16 compute (``planner/workload.py`` casts the traced model
-to bf16), so steps run under ``torch.autocast(dtype=bfloat16)`` with fp32 parameters (mixed precision, the memory
-model's 16 bytes per parameter with Adam). ``compute_dtype="fp32"`` runs without autocast.
+``compute_dtype="bf16"`` (what the planner traces) runs under ``torch.autocast(dtype=bfloat16)`` with fp32
+parameters (mixed precision, the memory model's 16 bytes per parameter with Adam); ``"fp32"`` runs without
+autocast (``autopar validate`` picks it on CPUs without native bf16, and prices fp32 bytes).
+``calibrate_after=True``: the ranks then run the quick compute calibration sweep together, so the plan can be
+priced with the machine as it was during its steps.
 
 Memory: ``peak_rss_bytes`` is the process's peak resident set (``getrusage`` ``ru_maxrss``), ``base_rss_bytes`` the
 resident set before the model is built (torch, the interpreter and gloo buffers); the difference is what the cost
