@@ -43,13 +43,14 @@ class StepConstants:
     - ``zero3_passes_recompute`` False: with full recomputation a layer's recomputed forward runs right before
       its backward, so one parameter all-gather serves both (three passes a micro-batch: gather in forward,
       gather before recompute + backward, reduce-scatter of the gradients).
-    - ``zero3_collectives_per_layer`` 6: DeepSpeed ZeRO-3 fetches parameters module by module (two LayerNorms,
-      QKV, attention projection, two MLP linears), so each pass pays the ring latency ``(n - 1) alpha`` six
-      times per layer; FSDP2 wrapping each block would be 1.
-    - ``sustained_compute`` 0.85: tensor-core work in a long training step runs at this share of the
-      roofline rate (``costmodel.compute``, which is the maximum achievable rate of an isolated kernel): an A100
-      SXM at its 400 W limit sustains ~1.2-1.3 GHz of its 1.41 GHz boost clock under dense tensor-core
-      load, and NCCL kernels of overlapped collectives take SMs from the GEMMs.
+    - ``zero3_collectives_per_layer`` 1: ZeRO-3 gathers and reduces parameters once per layer per pass, as
+      autopar's runtime runs it (FSDP2 ``fully_shard`` on each block), each paying the ring latency
+      ``(n - 1) alpha``. DeepSpeed ZeRO-3 fetches module by module (two LayerNorms, QKV, attention projection,
+      two MLP linears): 6, what ``benchmarks/fidelity.py`` uses for the SC21 DeepSpeed rows.
+    - ``tp_fused_input_projections`` False: without sequence parallelism, the backward all-reduces the input
+      gradient of each column-parallel projection separately (q, k, v, and the MLP's up or gate + up: DTensor's
+      ``ColwiseParallel`` on separate modules, as autopar's runtime applies it); True: once for attention and
+      once for the MLP (Megatron-LM's fused QKV, what ``benchmarks/fidelity.py`` uses).
     """
 
     elementwise_replicated_bytes: float = 22.0
@@ -59,7 +60,8 @@ class StepConstants:
     overlap_slowdown: float = 0.5
     zero3_flat_nic: bool = True
     zero3_passes_recompute: bool = False
-    zero3_collectives_per_layer: int = 6
+    zero3_collectives_per_layer: int = 1
+    tp_fused_input_projections: bool = False
     sustained_compute: float = 0.85
     last_bucket_bytes: float = 25e6
     """Gradient bucket reduced after the backward ends (PyTorch DDP's default bucket): never overlapped."""
@@ -154,6 +156,14 @@ def _tp_comm(c: LayerCtx, tokens: int) -> tuple[str, float]:
     return ar.link_kind, 2.0 * ar.time_s
 
 
+def _tp_input_grad_allreduces(c: LayerCtx) -> int:
+    """All-reduces of the input gradient in a layer's backward without sequence parallelism: one per
+    column-parallel projection (q, k, v; up, and gate with a GLU), or two when the projections are fused."""
+    if c.constants.tp_fused_input_projections:
+        return 2
+    return 3 + (2 if c.workload.glu else 1)
+
+
 def transformer_time(c: LayerCtx, layer: LayerWork) -> LayerTime:
     w, k = c.workload, c.constants
     tokens = max(1, c.microbatch * w.seq // c.cp)
@@ -175,7 +185,7 @@ def transformer_time(c: LayerCtx, layer: LayerWork) -> LayerTime:
     comm_b: dict[str, float] = {}
     kind, t_tp = _tp_comm(c, tokens)
     _add(comm_f, kind, t_tp)
-    _add(comm_b, kind, t_tp)
+    _add(comm_b, kind, t_tp if c.sp else t_tp * _tp_input_grad_allreduces(c) / 2.0)
     if c.cp > 1:  # K/V all-gather (fwd) and reduce-scatter of dK/dV (bwd) before / after the attention core:
         # on the critical path, as runtime.context_parallel runs them (Llama 3's all-gather CP, not a ring)
         nbytes = 2.0 * c.microbatch * w.seq * (w.hidden * w.kv_heads // w.heads) / c.tp * w.dtype_bytes

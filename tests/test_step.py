@@ -195,21 +195,47 @@ def test_data_parallel_overlap(cluster64):
     assert after.step_time_s - over.step_time_s == pytest.approx(exposed(after) - exposed(over))
 
 
-def test_zero3_traffic_by_hand():
+@pytest.mark.parametrize("per_layer", [1, 6])  # FSDP2 per block (autopar's runtime); DeepSpeed per module
+def test_zero3_traffic_by_hand(per_layer):
     """ZeRO-3 on 2 DGX-A100 nodes, dp=16, one micro-batch: three passes (gather, gather for recompute +
-    backward, reduce-scatter), each split into 6 collectives per layer + 1 for embedding / head, each a flat
-    ring at one HDR NIC per GPU: (n - 1) alpha + (n - 1) / n bytes / (25 GB/s x 0.92)."""
+    backward, reduce-scatter), each split into ``per_layer`` collectives per layer + 1 for embedding / head, each
+    a flat ring at one HDR NIC per GPU: (n - 1) alpha + (n - 1) / n bytes / (25 GB/s x 0.92)."""
+    import dataclasses
+
     from costmodel.step import _dp_comm, ByIdentity
 
     cluster = make_cluster("dgx-a100-80gb", 2)
-    k, n, layers, params = DEFAULT_STEP_CONSTANTS, 16, 4, 1e9
-    units = layers * 6 + 1
+    k = dataclasses.replace(DEFAULT_STEP_CONSTANTS, zero3_collectives_per_layer=per_layer)
+    n, layers, params = 16, 4, 1e9
+    units = layers * per_layer + 1
     ring = lambda nbytes: (n - 1) * 5e-6 + (n - 1) / n * nbytes / (25e9 * DEFAULT_EFFICIENCY.infiniband)  # noqa: E731
     expected = 3 * units * ring(params * 2 / units)
     kind, got = _dp_comm(2, ByIdentity(cluster), params, 0.0, 1, k, dp=n, cp=1, tp=1, ep=1, zero_stage=3,
                          recompute="full", layers=layers)
     assert kind == "infiniband"
     assert got == pytest.approx(expected, rel=1e-9)
+
+
+def test_tensor_parallel_backward_counts_the_runtime_all_reduces():
+    """Without sequence parallelism the forward all-reduces twice per layer (attention output, MLP output); the
+    backward once per column-parallel projection's input gradient: q, k, v, gate, up (5) for a SwiGLU layer as
+    autopar's runtime runs it, 2 when q/k/v are fused (Megatron-LM)."""
+    import dataclasses
+
+    from costmodel.comm import Group, collective_time_s
+    from costmodel.layer_time import LayerCtx, layer_time
+
+    cluster = make_cluster("dgx-a100-80gb", 1)
+    w = llama_workload(layers=2, hidden=4096, ffn_hidden=14336, heads=32, kv_heads=8, vocab=32000, seq=4096)
+    layer = next(l for l in w.layers if l.kind == "transformer")
+    ar = collective_time_s("all_reduce", 4096 * 4096 * 2, Group(size=8, stride=1), cluster).time_s
+    for fused, n_bwd in ((False, 5), (True, 2)):
+        k = dataclasses.replace(DEFAULT_STEP_CONSTANTS, tp_fused_input_projections=fused)
+        ctx = LayerCtx(workload=w, device=cluster.groups[0].node.gpu, cluster=cluster, microbatch=1, tp=8, cp=1,
+                       ep=1, sp=False, recompute="none", flash=True, constants=k)
+        t = layer_time(ctx, layer)
+        assert t.comm_fwd == pytest.approx({"nvswitch": 2 * ar})
+        assert t.comm_bwd == pytest.approx({"nvswitch": n_bwd * ar})
 
 
 def test_context_parallel_kv_traffic_is_on_the_critical_path():
