@@ -7,8 +7,10 @@ inner size ``head_dim`` (Megatron 2021's unfused kernel) plus its softmax / mask
 memory-bound rest (norms, bias + activation, dropout, residual) from per-token byte counts (``StepConstants``).
 Backward: twice the forward GEMM time (input and weight gradient), twice the memory-bound traffic.
 
-Collectives per transformer layer (Megatron-LM): tp: 2 all-reduces of ``b s h`` in forward and 2 in
-backward, or with sequence parallelism an all-gather + reduce-scatter pair each (same volume); cp: K/V
+Collectives per transformer layer: tp: 2 all-reduces of ``b s h`` in forward, or with sequence parallelism an
+all-gather + reduce-scatter pair each (same volume); in backward one all-reduce per column-parallel projection
+(separate q / k / v / gate / up, as the runtime applies them; Megatron's fused QKV: 2), plus under sequence
+parallelism 2 all-gathers (see ``_tp_comm``); cp: K/V
 all-gather in forward and reduce-scatter of their gradients in backward, on the critical path (the runtime's
 all-gather context parallel issues them before / after the attention core); ep: dispatch + combine all-to-alls of ``b s h top_k`` in forward and again in backward.
 """
@@ -47,8 +49,8 @@ class StepConstants:
       autopar's runtime runs it (FSDP2 ``fully_shard`` on each block), each paying the ring latency
       ``(n - 1) alpha``. DeepSpeed ZeRO-3 fetches module by module (two LayerNorms, QKV, attention projection,
       two MLP linears): 6, what ``benchmarks/fidelity.py`` uses for the SC21 DeepSpeed rows.
-    - ``tp_fused_input_projections`` False: without sequence parallelism, the backward all-reduces the input
-      gradient of each column-parallel projection separately (q, k, v, and the MLP's up or gate + up: DTensor's
+    - ``tp_fused_input_projections`` False: the backward all-reduces the input gradient of each
+      column-parallel projection separately (q, k, v, and the MLP's up or gate + up: DTensor's
       ``ColwiseParallel`` on separate modules, as autopar's runtime applies it); True: once for attention and
       once for the MLP (Megatron-LM's fused QKV, what ``benchmarks/fidelity.py`` uses).
     """
@@ -142,26 +144,32 @@ def _attention_s(c: LayerCtx, layer: LayerWork, tokens: int) -> tuple[float, flo
     return mm + soft, 2.0 * (mm + soft)
 
 
-def _tp_comm(c: LayerCtx, tokens: int) -> tuple[str, float]:
-    """Link kind and seconds of the 2 tp collectives of one pass of a transformer layer."""
+def _tp_comm(c: LayerCtx, tokens: int) -> tuple[str, float, float]:
+    """Link kind and forward / backward seconds of a transformer layer's tp collectives on ``b s h`` bytes.
+
+    Forward: 2 all-reduces (attention and MLP outputs), or under sequence parallelism 2 all-gathers (the regions'
+    inputs) + 2 reduce-scatters. Backward with fused input projections (Megatron-LM): the mirror image. With
+    separate q / k / v (and gate / up) ``ColwiseParallel`` modules, as autopar's runtime applies them, each
+    projection all-reduces its input gradient (``n`` = 4, or 5 with a GLU), and sequence parallelism adds the
+    2 all-gathers of the row-parallel outputs' gradients (counted with CommDebugMode on a 2-layer Llama at tp=2:
+    19 all-reduces without SP; 14 all-reduces, 10 all-gathers, 5 reduce-scatters with SP, embedding, head and
+    loss-parallel included)."""
     if c.tp == 1:
-        return "", 0.0
+        return "", 0.0, 0.0
     nbytes = tokens * c.workload.hidden * c.workload.dtype_bytes
     g = Group(size=c.tp, stride=1)
-    if c.sp:
-        ag = collective_time_s("all_gather", nbytes, g, c.cluster)
-        rs = collective_time_s("reduce_scatter", nbytes, g, c.cluster)
-        return ag.link_kind, 2.0 * (ag.time_s + rs.time_s)
     ar = collective_time_s("all_reduce", nbytes, g, c.cluster)
-    return ar.link_kind, 2.0 * ar.time_s
-
-
-def _tp_input_grad_allreduces(c: LayerCtx) -> int:
-    """All-reduces of the input gradient in a layer's backward without sequence parallelism: one per
-    column-parallel projection (q, k, v; up, and gate with a GLU), or two when the projections are fused."""
-    if c.constants.tp_fused_input_projections:
-        return 2
-    return 3 + (2 if c.workload.glu else 1)
+    ag = collective_time_s("all_gather", nbytes, g, c.cluster)
+    rs = collective_time_s("reduce_scatter", nbytes, g, c.cluster)
+    fused = c.constants.tp_fused_input_projections
+    n = 3 + (2 if c.workload.glu else 1)
+    if c.sp:
+        fwd = 2.0 * (ag.time_s + rs.time_s)
+        bwd = fwd if fused else n * ar.time_s + 2.0 * ag.time_s
+    else:
+        fwd = 2.0 * ar.time_s
+        bwd = fwd if fused else n * ar.time_s
+    return ar.link_kind, fwd, bwd
 
 
 def transformer_time(c: LayerCtx, layer: LayerWork) -> LayerTime:
@@ -183,9 +191,9 @@ def transformer_time(c: LayerCtx, layer: LayerWork) -> LayerTime:
     bwd = 2.0 * t_gemm + t_attn_b + 2.0 * t_elem + d_b
     comm_f: dict[str, float] = {}
     comm_b: dict[str, float] = {}
-    kind, t_tp = _tp_comm(c, tokens)
-    _add(comm_f, kind, t_tp)
-    _add(comm_b, kind, t_tp if c.sp else t_tp * _tp_input_grad_allreduces(c) / 2.0)
+    kind, tp_f, tp_b = _tp_comm(c, tokens)
+    _add(comm_f, kind, tp_f)
+    _add(comm_b, kind, tp_b)
     if c.cp > 1:  # K/V all-gather (fwd) and reduce-scatter of dK/dV (bwd) before / after the attention core:
         # on the critical path, as runtime.context_parallel runs them (Llama 3's all-gather CP, not a ring)
         nbytes = 2.0 * c.microbatch * w.seq * (w.hidden * w.kv_heads // w.heads) / c.tp * w.dtype_bytes
