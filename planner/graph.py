@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Iterable, Literal
 
 OpClass = Literal["matmul", "attention", "embedding", "norm", "elementwise", "reduction", "view", "other"]

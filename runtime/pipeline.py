@@ -44,7 +44,7 @@ from torch import nn
 from costmodel.errors import ConfigError, PlanMismatchError
 from planner.plan import Plan, StagePlan
 from runtime.checkpointing import set_recompute
-from runtime.model_adapters import EMBED_UNIT, Layout, ModelAdapter, adapter_for
+from runtime.model_adapters import Layout, ModelAdapter, adapter_for
 
 logger = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 
-from costmodel.errors import ConfigError, PlanMismatchError
+from costmodel.errors import ConfigError
 from planner.plan import Plan, check_plan_matches, load_plan, model_fingerprint
 from runtime.checkpointing import apply_plan_recompute
 from runtime.context_parallel import ContextParallel, apply_context_parallel, check_context_parallel

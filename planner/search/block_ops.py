@@ -30,11 +30,6 @@ from dataclasses import dataclass, field
 from costmodel.errors import UnsupportedModelError
 from planner.search.strategies import LayerOp
 
-__ALIASES = ("aten.to.", "aten._to_copy", "aten._assert", "aten.alias", "aten.clone", "aten.contiguous",
-            "aten.detach", "aten.lift_fresh")
-"""Ops that hand on (a copy of) their input: the residual stream often passes through a dtype cast."""
-DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8, "int64": 8,
-                "long": 8, "int32": 4, "bool": 1, "int8": 1, "uint8": 1}
 _ALIASES = ("aten.to.", "aten._to_copy", "aten._assert", "aten.alias", "aten.clone", "aten.contiguous",
             "aten.detach", "aten.lift_fresh")
 """Ops that hand on (a copy of) their input: the residual stream often passes through a dtype cast."""
@@ -43,10 +38,6 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "tf32": 4}
 
 def _numel(shape: tuple[int, ...]) -> int:
     return math.prod(shape) if shape else 1
-
-
-def _dtype_bytes(dtype: str) -> int:
-    return _DTYPE_BYTES.get(dtype.rsplit(".", 1)[-1], 4)
 
 
 @dataclass(kw_only=True)

@@ -1,0 +1,197 @@
+"""Collectives among 2..N spawned processes for ``autopar calibrate`` (``gloo`` on CPU, ``nccl`` with one GPU per
+rank when CUDA has enough devices): each point is the slowest rank's mean time over a timed loop after warm-up,
+each timed block after a short compute burst (collectives inside a training step run between kernels, and on a
+CPU cost more there than back to back)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import queue as _queue
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+
+from costmodel.calibration import COLLECTIVE_OPS, CollectivePoint
+from costmodel.errors import AutoparError, ProfileError
+from runtime.calibrate import CalibrationPlan, _sync
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _make_op(op: str, nbytes: int, rank: int, world: int, device: str) -> tuple[Callable[[], Any], int]:
+    """A closure running one ``op`` on ``nbytes`` (NCCL convention) and the bytes it really moves."""
+    import torch.distributed as dist
+
+    numel = max(world, nbytes // 4 // world * world)
+    shard = numel // world
+    full = torch.ones(numel, device=device)
+    part = torch.ones(shard, device=device)
+    if op == "all_reduce":
+        fn = lambda: dist.all_reduce(full)  # noqa: E731
+    elif op == "all_gather":
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        fn = lambda: gather(full, part)  # noqa: E731
+    elif op == "reduce_scatter":
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        fn = lambda: scatter(part, full)  # noqa: E731
+    elif op == "all_to_all":
+        out = torch.empty_like(full)
+        fn = lambda: dist.all_to_all_single(out, full)  # noqa: E731
+    elif op == "broadcast":
+        fn = lambda: dist.broadcast(full, 0)  # noqa: E731
+    elif op == "send_recv":  # ping-pong between ranks 0 and 1; one iteration = two one-way messages
+
+        def fn() -> None:
+            if rank == 0:
+                dist.send(full, 1)
+                dist.recv(full, 1)
+            elif rank == 1:
+                dist.recv(full, 0)
+                dist.send(full, 0)
+
+    else:
+        raise ProfileError(f"unknown collective {op!r}; use one of {', '.join(COLLECTIVE_OPS)}")
+    return fn, numel * 4
+
+
+BURST_MATMULS = 6
+"""Matmuls of (256, 256) @ (256, 256) in the compute burst before each timed CPU collective: ~2 ms on one core,
+a decoder layer's worth of work between two collectives."""
+
+
+def _burst(device: str) -> Callable[[], None]:
+    a = torch.randn(256, 256, device=device)
+    out = torch.empty_like(a)
+
+    def run() -> None:
+        for _ in range(BURST_MATMULS):
+            torch.mm(a, a, out=out)
+
+    return run
+
+
+def _time_collective(fn: Callable[[], Any], *, device: str, iters: int, blocks: int,
+                     burst: Callable[[], None] | None = None) -> float:
+    """Best over ``blocks`` of the slowest rank's mean time per call (collective: every rank calls it).
+
+    With a ``burst`` (CPU ranks): every call follows a burst of compute on every rank, as collectives do in a
+    training step, and the time is that loop's minus the burst-only loop's: the collective as it costs between
+    compute phases, where ranks sharing cores arrive apart and wait for descheduled peers (4 gloo ranks on 2
+    cores: a 7 MB all-reduce took 15 ms back to back, ~30 ms more per DDP step than without it)."""
+    import torch.distributed as dist
+
+    def loop(call: bool) -> float:
+        dist.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            if burst is not None:
+                burst()
+            if call:
+                fn()
+        _sync(device)
+        slowest = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        return float(slowest.item())
+
+    fn()
+    best = base = float("inf")
+    for _ in range(blocks):
+        best = min(best, loop(True))
+        if burst is not None:
+            base = min(base, loop(False))
+    if burst is None:
+        return best
+    return max(best - base, 0.05 * best)  # noise can make the difference vanish: keep a floor
+
+
+def _collective_worker(rank: int, world: int, port: int, backend: str, plan: CalibrationPlan, results: Any) -> None:
+    """One rank: time every (op, size) and send rank 0's table (slowest rank per point) to the parent."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(plan.threads_per_rank)
+    device = "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        device = "cuda"
+    try:
+        dist.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+            timeout=_dt.timedelta(seconds=120),
+        )  # fmt: skip
+        burst = _burst(device) if backend == "gloo" else None
+        for op in plan.ops:
+            if op == "send_recv" and world != 2:
+                continue  # point-to-point is measured on a pair
+            for nbytes in plan.collective_bytes:
+                fn, real_bytes = _make_op(op, nbytes, rank, world, device)
+                best = _time_collective(fn, device=device, iters=plan.collective_iters, blocks=plan.collective_blocks,
+                                        burst=burst)
+                if op == "send_recv":
+                    best /= 2.0
+                if rank == 0:
+                    results.put(("point", (op, world, float(real_bytes), best)))
+        if rank == 0:
+            results.put(("done", None))
+    except Exception:  # reported to the parent, which raises it
+        results.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def measure_collectives(
+    plan: CalibrationPlan, *, backend: str, world: int, progress: Callable[[], None], timeout_s: float = 300.0
+) -> list[CollectivePoint]:
+    """Spawn ``world`` ranks on this machine and time the plan's collectives among them."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    env_threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(plan.threads_per_rank)  # children inherit it at spawn
+    procs = [ctx.Process(target=_collective_worker, args=(r, world, port, backend, plan, results)) for r in range(world)]
+    try:
+        for p in procs:
+            p.start()
+        return _collect(results, procs, progress=progress, timeout_s=timeout_s)
+    finally:
+        if env_threads is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = env_threads
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+
+
+def _collect(results: Any, procs: list, *, progress: Callable[[], None], timeout_s: float) -> list[CollectivePoint]:
+    points: list[CollectivePoint] = []
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            kind, payload = results.get(timeout=1.0)
+        except _queue.Empty:
+            if time.monotonic() > deadline:
+                raise AutoparError(f"calibration collectives did not finish within {timeout_s:.0f} s") from None
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise AutoparError(f"a calibration rank exited with code {dead[0].exitcode}") from None
+            continue
+        if kind == "error":
+            raise AutoparError(f"calibration collective failed on {payload}")
+        if kind == "done":
+            return points
+        op, ranks, nbytes, t = payload
+        points.append(CollectivePoint(op=op, ranks=ranks, nbytes=nbytes, time_s=t))
+        progress()
