@@ -14,6 +14,7 @@ datasheet numbers.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import logging
 import os
@@ -23,7 +24,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -414,6 +415,46 @@ def _slowest(per_rank: list[list]) -> list:
             for points in zip(*per_rank)]
 
 
+@contextlib.contextmanager
+def spawned(procs: list, *, threads: int) -> Iterator[None]:
+    """Start ``procs`` with ``OMP_NUM_THREADS=threads`` (children inherit it at spawn), restore the variable, and
+    join (or terminate) every process on the way out."""
+    env_threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    try:
+        for p in procs:
+            p.start()
+        yield
+    finally:
+        if env_threads is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = env_threads
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+
+
+def next_message(results: Any, procs: list, *, deadline: float, limit_s: float, what: str) -> tuple[str, Any]:
+    """The next ``(kind, payload)`` the workers put on ``results``; AutoparError when the deadline passes, a
+    worker dies, or a worker reports an ``error``."""
+    while True:
+        try:
+            kind, payload = results.get(timeout=1.0)
+        except _queue.Empty:
+            if time.monotonic() > deadline:
+                raise AutoparError(f"{what} did not finish within {limit_s:.0f} s") from None
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise AutoparError(f"{what}: a worker process exited with code {dead[0].exitcode}") from None
+            continue
+        if kind == "error":
+            raise AutoparError(f"{what} failed on {payload}")
+        return kind, payload
+
+
 def measure_compute_concurrent(
     plan: CalibrationPlan, *, concurrent: int, dispatch_model: Any, progress: Callable[[], None],
     timeout_s: float = 1800.0,
@@ -426,39 +467,16 @@ def measure_compute_concurrent(
     results, barrier = ctx.Queue(), ctx.Barrier(concurrent)
     procs = [ctx.Process(target=_compute_worker, args=(r, plan, dispatch_model, barrier, results))
              for r in range(concurrent)]
-    env_threads = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(plan.threads_per_rank)
     done: dict[int, tuple] = {}
     deadline = time.monotonic() + timeout_s
-    try:
-        for p in procs:
-            p.start()
+    with spawned(procs, threads=plan.threads_per_rank):
         while len(done) < concurrent:
-            try:
-                kind, payload = results.get(timeout=1.0)
-            except _queue.Empty:
-                if time.monotonic() > deadline:
-                    raise AutoparError(f"concurrent compute calibration did not finish within {timeout_s:.0f} s") from None
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise AutoparError(f"a calibration process exited with code {dead[0].exitcode}") from None
-                continue
-            if kind == "error":
-                raise AutoparError(f"concurrent compute calibration failed on {payload}")
+            kind, payload = next_message(results, procs, deadline=deadline, limit_s=timeout_s,
+                                         what="concurrent compute calibration")
             if kind == "tick":
                 progress()
             else:
                 done[payload[0]] = payload[1:]
-    finally:
-        if env_threads is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = env_threads
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
     runs = [done[r] for r in range(concurrent)]
     return tuple(_slowest([run[i] for run in runs]) for i in range(3))  # type: ignore[return-value]
 

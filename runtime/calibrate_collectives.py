@@ -6,8 +6,6 @@ CPU cost more there than back to back)."""
 from __future__ import annotations
 
 import datetime as _dt
-import os
-import queue as _queue
 import socket
 import time
 import traceback
@@ -16,8 +14,8 @@ from typing import Any, Callable
 import torch
 
 from costmodel.calibration import COLLECTIVE_OPS, CollectivePoint
-from costmodel.errors import AutoparError, ProfileError
-from runtime.calibrate import CalibrationPlan, _sync
+from costmodel.errors import ProfileError
+from runtime.calibrate import CalibrationPlan, _sync, next_message, spawned
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -156,40 +154,17 @@ def measure_collectives(
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    env_threads = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(plan.threads_per_rank)  # children inherit it at spawn
     procs = [ctx.Process(target=_collective_worker, args=(r, world, port, backend, plan, results)) for r in range(world)]
-    try:
-        for p in procs:
-            p.start()
+    with spawned(procs, threads=plan.threads_per_rank):
         return _collect(results, procs, progress=progress, timeout_s=timeout_s)
-    finally:
-        if env_threads is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = env_threads
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
 
 
 def _collect(results: Any, procs: list, *, progress: Callable[[], None], timeout_s: float) -> list[CollectivePoint]:
     points: list[CollectivePoint] = []
     deadline = time.monotonic() + timeout_s
     while True:
-        try:
-            kind, payload = results.get(timeout=1.0)
-        except _queue.Empty:
-            if time.monotonic() > deadline:
-                raise AutoparError(f"calibration collectives did not finish within {timeout_s:.0f} s") from None
-            dead = [p for p in procs if p.exitcode not in (None, 0)]
-            if dead:
-                raise AutoparError(f"a calibration rank exited with code {dead[0].exitcode}") from None
-            continue
-        if kind == "error":
-            raise AutoparError(f"calibration collective failed on {payload}")
+        kind, payload = next_message(results, procs, deadline=deadline, limit_s=timeout_s,
+                                     what="calibration collectives")
         if kind == "done":
             return points
         op, ranks, nbytes, t = payload
