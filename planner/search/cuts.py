@@ -191,6 +191,16 @@ def _fit(layers, kinds, cuts_a, pp, inflight, ta, ma, work, unit_s, mem_probe, l
                        rank_gb=rank_gb, limit_gb=limits)
 
 
+def _probed(**kw: Any) -> tuple | None:
+    """``read_costs(**kw)``, or None when the probes fail or give no per-layer costs (logged at debug)."""
+    try:
+        read = read_costs(**kw)
+    except AutoparError as e:
+        log.debug("probe failed: %s", e)
+        return None
+    return None if read is None or read[0] is None else read
+
+
 def propose_cuts(
     *,
     layers: Sequence[Any],
@@ -202,13 +212,9 @@ def propose_cuts(
 ) -> CutProposal | None:
     """Stage-DP cuts for a v = 1 GPipe / 1F1B pipeline; ``price(stage_layers)`` runs the step model. Each stage
     has its own layer times (its rank's accelerator), memory limit and fixed part. None if not derivable."""
-    try:
-        read = read_costs(layers=layers, pp=pp, virtual_stages=1, inflight=inflight,
-                          memory_limit_gb=memory_limit_gb, price=price)
-    except AutoparError as e:
-        log.debug("probe failed: %s", e)
-        return None
-    if read is None or read[0] is None:
+    read = _probed(layers=layers, pp=pp, virtual_stages=1, inflight=inflight, memory_limit_gb=memory_limit_gb,
+                   price=price)
+    if read is None:
         return None
     lc = read[0]
     problem = make_problem(layer_time_s=lc.unit_s[:, None] * lc.work[None, :], layer_static_bytes=lc.static_gb,
@@ -236,13 +242,9 @@ def propose_interleaved_cuts(
     """Cuts for interleaved 1F1B (chunk ``c`` on rank ``c % pp``) and zero-bubble pipelines: the layer-count DP
     of ``interleaved_dp`` on the probed costs (``read_costs``), transformer layers taken as identical (their
     mean). Zero-bubble's bubble weight is read off probe A's ``bubble`` time. None if not derivable."""
-    try:
-        read = read_costs(layers=layers, pp=pp, virtual_stages=virtual_stages, inflight=inflight,
-                          memory_limit_gb=memory_limit_gb, price=price)
-    except AutoparError as e:
-        log.debug("probe failed: %s", e)
-        return None
-    if read is None or read[0] is None:
+    read = _probed(layers=layers, pp=pp, virtual_stages=virtual_stages, inflight=inflight,
+                   memory_limit_gb=memory_limit_gb, price=price)
+    if read is None:
         return None
     lc, est_a = read
     kinds = [l.kind for l in layers]
