@@ -178,6 +178,11 @@ class Calibration:
         share = lambda n: min(1.0, self.cpu_cores / (n * self.threads_per_rank))  # noqa: E731
         return share(ranks) / share(max(1, self.concurrent_ranks))
 
+    def overlaps_communication(self, ranks: int) -> bool:
+        """Whether collectives can run beside compute: always where the cores were not recorded (accelerators);
+        on a CPU only when the ``ranks`` busy ranks leave a core idle for gloo's communication threads."""
+        return self.cpu_cores <= 0 or ranks * self.threads_per_rank < self.cpu_cores
+
     @property
     def dispatch_fit(self) -> DispatchFit | None:
         return self.dispatch_fits[0] if self.dispatch_fits else None

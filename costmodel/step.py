@@ -14,9 +14,10 @@
    rank ``c % pp``. Pipeline time from ``costmodel.pipeline`` closed forms, with the p2p send/recv of
    ``b s h / tp`` activations (SC21 scatter/gather over the tp ranks' links) per hop.
 3. Data parallel (over the dp x cp ranks that share weights): gradient all-reduce (ZeRO-0), reduce-scatter
-   + parameter all-gather (ZeRO-1/2), or per-micro-batch parameter all-gathers in forward (again in the
-   recomputation) and backward plus gradient reduce-scatters (ZeRO-3). Overlapped with the backward of the
-   last micro-batch (ZeRO-3: with all compute) when ``overlap_grad_reduce``:
+   + parameter all-gather (ZeRO-1/2), or per-micro-batch parameter all-gathers in forward and before the
+   backward (serving the recomputation too) plus gradient reduce-scatters (ZeRO-3). Overlapped with the backward of the
+   last micro-batch (ZeRO-3: with all compute) when ``overlap_grad_reduce`` and the devices can overlap (not
+   CPU ranks that keep every core busy, per the calibration):
    ``exposed = max(0, comm - window) + k min(comm, window)`` (``StepConstants.overlap_slowdown``).
 4. Optimizer: Adam over the device's (ZeRO-sharded) parameters, memory-bound, on each rank's device.
 5. Memory per pipeline rank (``costmodel.memory``) with the schedule's in-flight micro-batches, checked
@@ -369,6 +370,14 @@ def _pipeline(parts: tuple[_CtxKey, ...], classes: tuple[int, ...], cluster: ByI
     return {"total_s": total, "per_rank_s": per_rank, "parts": parts, "p2p_kind": p2p_kind, "bwd_rank_s": bwd_rank}
 
 
+def _can_overlap(cluster: Cluster) -> bool:
+    """False where a CPU calibration says the local ranks keep every core busy: nothing runs the collectives
+    beside the compute, so overlapped gradient traffic is exposed whole."""
+    cal = cluster.calibration
+    ranks = max(g.node.gpus_per_node for g in cluster.groups)
+    return cal is None or cal.overlaps_communication(ranks)
+
+
 def _data_parallel(workload: Workload, cfg: ParallelConfig, parts: tuple[Cluster, ...], classes: tuple[int, ...],
                    dense: np.ndarray, expert: np.ndarray, layers: np.ndarray, pipe: dict, m: int,
                    k: StepConstants) -> dict:
@@ -385,7 +394,7 @@ def _data_parallel(workload: Workload, cfg: ParallelConfig, parts: tuple[Cluster
                                  cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, zero_stage=cfg.zero_stage,
                                  recompute=cfg.recompute, layers=key[2])
         lk, t = memo[key]
-        if not cfg.overlap_grad_reduce:
+        if not cfg.overlap_grad_reduce or not _can_overlap(parts[key[3]]):
             window = 0.0
         elif cfg.zero_stage == 3:
             window = pipe["total_s"]

@@ -256,3 +256,25 @@ def test_dispatch_time_is_priced_per_layer_and_pass():
              for c in (plain, with_dispatch)]
     per_microbatch = 3 * (1e-3 + 2e-3) + (3e-3 + 1e-3)  # 3 layers' forward + backward, the model's rest
     assert times[1] - times[0] == pytest.approx(2 * per_microbatch, rel=1e-6)
+
+
+def test_busy_cpu_ranks_do_not_hide_gradient_traffic(tmp_path):
+    """4 ranks on 2 recorded cores: no idle core runs gloo's collectives beside the compute, so the gradient
+    all-reduce is exposed whole; with the cores not recorded (an accelerator) the part before the last 25 MB
+    bucket hides behind the backward (a 100 MB gradient here)."""
+    import dataclasses
+
+    from costmodel.analytic import llama_workload
+    from costmodel.step import ParallelConfig, estimate_step
+
+    w = llama_workload(layers=4, hidden=1024, ffn_hidden=4096, heads=8, kv_heads=8, vocab=1024, seq=64)
+    cfg = ParallelConfig(dp=4, microbatch=2, global_batch=8)
+    comm = lambda e: sum(v for k, v in e.breakdown_s.items() if k.startswith("comm_"))  # noqa: E731
+    exposed = {}
+    for cores in (2, 0):
+        cal = dataclasses.replace(_synthetic(), cpu_cores=cores, concurrent_ranks=4)
+        assert cal.overlaps_communication(4) == (cores == 0)
+        path = save_calibration(cal, tmp_path / f"cal{cores}.json")
+        cluster = resolve_cluster("local", nodes=1, gpus_per_node=4, profile_path=path)
+        exposed[cores] = comm(estimate_step(w, cfg, cluster))
+    assert exposed[2] > exposed[0] > 0
