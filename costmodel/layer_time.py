@@ -10,9 +10,9 @@ Backward: twice the forward GEMM time (input and weight gradient), twice the mem
 Collectives per transformer layer: tp: 2 all-reduces of ``b s h`` in forward, or with sequence parallelism an
 all-gather + reduce-scatter pair each (same volume); in backward one all-reduce per column-parallel projection
 (separate q / k / v / gate / up, as the runtime applies them; Megatron's fused QKV: 2), plus under sequence
-parallelism 2 all-gathers (see ``_tp_comm``); cp: K/V
-all-gather in forward and reduce-scatter of their gradients in backward, on the critical path (the runtime's
-all-gather context parallel issues them before / after the attention core); ep: dispatch + combine all-to-alls of ``b s h top_k`` in forward and again in backward.
+parallelism 2 all-gathers (see ``_tp_comm``); cp: K/V all-gather in forward and reduce-scatter of their gradients
+in backward, on the critical path (the runtime's all-gather context parallel issues them before / after the
+attention core); ep: dispatch + combine all-to-alls of ``b s h top_k`` in forward and again in backward.
 """
 
 from __future__ import annotations

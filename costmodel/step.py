@@ -50,7 +50,7 @@ from costmodel import pipeline as pl
 from costmodel.comm import CommEfficiency, DEFAULT_EFFICIENCY, Group, collective_time_s, ring_terms
 from costmodel.compute import op_time_s
 from costmodel.errors import ConfigError
-from costmodel.hardware import Accelerator, Cluster
+from costmodel.hardware import Cluster
 from costmodel.layer_time import DEFAULT_STEP_CONSTANTS, LayerCtx, StepConstants, layer_time
 from costmodel.step_config import ParallelConfig, check_stage_layers, validate_config
 from costmodel.workload import Workload
@@ -113,14 +113,6 @@ def _even_stage_layers(kinds: list[str], chunks: int) -> tuple[int, ...]:
     return tuple(int(x) for x in np.bincount(owner, minlength=chunks))
 
 
-def _device(cluster: Cluster) -> Accelerator:
-    return slowest_device(cluster)
-
-
-def _rank_clusters(cluster: Cluster, pp: int) -> tuple[tuple[Cluster, ...], tuple[int, ...]]:
-    return rank_clusters(cluster, pp)
-
-
 def _class_of(classes: tuple[int, ...], r: int) -> int:
     return classes[r] if classes else 0
 
@@ -148,7 +140,7 @@ class _CtxKey:
 
     def ctx(self) -> LayerCtx:
         cluster = self.cluster.obj
-        return LayerCtx(workload=self.workload.obj, device=_device(cluster), cluster=cluster,
+        return LayerCtx(workload=self.workload.obj, device=slowest_device(cluster), cluster=cluster,
                         microbatch=self.microbatch, tp=self.tp, cp=self.cp, ep=self.ep, sp=self.sp,
                         recompute=self.recompute, flash=self.flash, constants=self.constants)
 
@@ -414,7 +406,7 @@ def _data_parallel(workload: Workload, cfg: ParallelConfig, parts: tuple[Cluster
     for c, part in enumerate(parts):  # the largest shard of each part, on that part's device
         largest = float(shard[owner == c].max())
         opt = max(opt, op_time_s(flops=0.0, bytes_moved=largest * k.optimizer_bytes_per_param,
-                                 op_class="elementwise", device=_device(part), calibration=part.calibration))
+                                 op_class="elementwise", device=slowest_device(part), calibration=part.calibration))
     return {"exposed_s": exposed, "kind": kind, "optimizer_s": opt}
 
 
@@ -499,7 +491,7 @@ def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_l
     else:
         stage_layers = tuple(int(x) for x in stage_layers)
         check_stage_layers(stage_layers, workload, chunks)
-    clusters, classes = _rank_clusters(cluster, cfg.pp)
+    clusters, classes = rank_clusters(cluster, cfg.pp)
     parts = tuple(_CtxKey(workload=ByIdentity(workload), cluster=ByIdentity(part), microbatch=cfg.microbatch,
                           tp=cfg.tp, cp=cfg.cp, ep=cfg.ep, sp=cfg.sequence_parallel and cfg.tp > 1,
                           recompute=cfg.recompute, flash=cfg.flash_attention, constants=k) for part in clusters)
@@ -520,8 +512,7 @@ def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_l
     worst_mem = mem.MemoryEstimate(terms={key: float(val[worst]) for key, val in terms.items()})
     part_gb = [min(g.node.gpu.memory_bytes for g in part.groups) / mem.GB for part in clusters]
     limits_gb = tuple(part_gb[_class_of(classes, r)] for r in range(cfg.pp))
-    fits = worst_mem.total_gb <= limits_gb[worst] and all(
-        t / mem.GB <= lim for t, lim in zip(totals.tolist(), limits_gb))
+    fits = all(t / mem.GB <= lim for t, lim in zip(totals.tolist(), limits_gb))  # each rank within its own
     model_f, hw_f = _flops(workload, stage_layers, cfg)
     n = cluster.num_devices
     peak = sum(g.node.gpu.tflops("bf16") * g.node.gpus_per_node * g.count for g in cluster.groups)
@@ -544,7 +535,7 @@ def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_l
         memory=worst_mem,
         memory_limit_gb=min(limits_gb),
         stage_memory_limit_gb=limits_gb,
-        stage_device=tuple(_device(clusters[_class_of(classes, r)]).name for r in range(cfg.pp)),
+        stage_device=tuple(slowest_device(clusters[_class_of(classes, r)]).name for r in range(cfg.pp)),
     )
 
 
