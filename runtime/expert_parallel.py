@@ -50,6 +50,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from costmodel.errors import ConfigError
 from planner.plan import Plan
+from runtime.context_parallel import check_context_parallel
 from runtime.tensor_parallel import apply_tensor_parallel
 
 log = logging.getLogger(__name__)
@@ -226,11 +227,7 @@ def check_expert_plan(plan: Plan) -> None:
     if d.dp % d.ep:
         raise ConfigError(f"ep={d.ep} does not divide dp={d.dp}: ep is a sub-axis of the batch ranks; choose ep "
                           f"dividing {d.dp}")
-    if d.cp > 1:
-        raise ConfigError(
-            f"expert parallel (ep={d.ep}) with context parallel (cp={d.cp}) is not run by this runtime: "
-            "re-plan with cp=1 (--fix cp=1)"
-        )
+    check_context_parallel(plan)  # cp runs without ep: the one place that says what cp runs with
     if plan.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"zero_stage={plan.zero_stage} must be 0, 1, 2 or 3")
 

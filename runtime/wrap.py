@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -131,6 +132,11 @@ class ParallelModel:
             )
         return self.module(*args, **kwargs)
 
+    @functools.cached_property
+    def _grad_group(self) -> DeviceMesh:
+        """``runtime.mesh.grad_mesh`` of the mesh, flattened once rather than on every step."""
+        return grad_mesh(self.mesh)
+
     def step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
         """Forward + backward over the plan's micro-batches; the global mean loss (0-d tensor) on every rank."""
         if self.loss_fn is None:
@@ -153,7 +159,7 @@ class ParallelModel:
             sync = self.module.no_sync() if isinstance(self.module, DistributedDataParallel) and not last else contextlib.nullcontext()
             with sync:
                 total += self._micro_step(mb_inputs[i], mb_targets[i], n_mb)
-        group = grad_mesh(self.mesh)  # the batch ranks, times cp (each holds a per-token mean over equal counts)
+        group = self._grad_group  # the batch ranks, times cp (each holds a per-token mean over equal counts)
         if group.size() > 1:
             dist.all_reduce(total, group=group.get_group())
             total /= group.size()
