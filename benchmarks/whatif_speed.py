@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="anytime search: stop each topology's search after S seconds (plans marked 'feasible')")
     args = ap.parse_args(argv)
 
-    from planner.commands.whatif import format_table
+    from cli.commands.whatif import format_table
     from planner.whatif import parse_sweep, run_whatif
 
     from planner.workload import workload_from_model

@@ -167,7 +167,7 @@ def test_per_rank_count_fits_capture_oversubscription():
 
 @pytest.mark.slow
 def test_autopar_calibrate_quick_writes_a_usable_profile(tmp_path, capsys):
-    from planner.cli import main
+    from cli.main import main
 
     out = tmp_path / "cal.toml"
     assert main(["calibrate", "--quick", "--out", str(out), "--no-progress"]) == 0

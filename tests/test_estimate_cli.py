@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from planner.cli import main
+from cli.main import main
 
 MODEL = "gpt:layers=4,hidden=256,heads=8,vocab=1000,seq=256"
 KEYS = {"step_time_s", "tokens_per_s", "model_tflops_per_gpu", "hw_tflops_per_gpu", "mfu", "memory_gb_per_device",

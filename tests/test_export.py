@@ -110,7 +110,7 @@ def test_diff_lists_changes_and_effect():
 
 
 def test_export_and_diff_commands(tmp_path, capsys):
-    from planner.cli import main
+    from cli.main import main
     from planner.plan import save_plan
 
     a, b = tmp_path / "a.json", tmp_path / "b.json"

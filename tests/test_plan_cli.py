@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from planner.cli import main
-from planner.commands.explain import explain
-from planner.commands.plan import summary
+from cli.main import main
+from cli.commands.explain import explain
+from cli.commands.plan import summary
 from planner.plan import (
     Alternative, ClusterInfo, MeshSpec, ModelInfo, ParallelDegrees, Plan, Prediction, ScheduleSpec, SolverStats,
     StagePlan, save_plan,

@@ -170,7 +170,7 @@ def test_coverage_lists_ops_without_rule():
 
 
 def test_cli_json_and_table(capsys):
-    from planner.cli import main
+    from cli.main import main
 
     spec = "gpt:layers=3,hidden=64,heads=4,vocab=100,seq=16"
     assert main(["trace", "--model", spec, "--json"]) == 0

@@ -9,7 +9,7 @@ import functools
 
 import pytest
 
-from planner.commands import validate as cmd
+from cli.commands import validate as cmd
 
 
 def _opt():
@@ -118,7 +118,7 @@ def test_bad_input_is_a_typed_error():
 
 
 def test_cli_registered_and_error_exit(capsys):
-    from planner.cli import main
+    from cli.main import main
 
     assert main(["validate"]) == 1
     assert "nothing to validate" in capsys.readouterr().err

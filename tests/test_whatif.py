@@ -71,7 +71,7 @@ def test_sweep_errors():
 
 
 def test_cli_usage_errors(capsys):
-    from planner.cli import main
+    from cli.main import main
 
     with pytest.raises(SystemExit) as e:
         main(["whatif", "--model", "gpt2", "--global-batch", "8", "--sweep", "gpu=h100", "nodes="])

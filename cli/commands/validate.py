@@ -148,7 +148,7 @@ def _calibrate(args: argparse.Namespace) -> Path:
     import tempfile
 
     from costmodel.calibration import save_calibration
-    from planner.commands.calibrate import dispatch_model
+    from cli.commands.calibrate import dispatch_model
     from runtime.calibrate import run_calibration
 
     print(f"autopar validate: quick calibration on {args.gpus_per_node} ranks first ...", file=sys.stderr, flush=True)
@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"autopar validate: warning: plan made for {plan.cluster.name!r}, not 'local': predictions are "
                   "for that cluster", file=sys.stderr)
         factory = functools.partial(build_model_for, plan.model.name, plan.global_batch, plan.model.seq_len)
-        from planner.commands.calibrate import dispatch_model
+        from cli.commands.calibrate import dispatch_model
 
         got = measure_plan(plan, model_factory=factory, steps=args.steps, warmup=args.warmup,
                            threads_per_rank=threads, compute_dtype=dtype, calibrate_after=args.calibrate,

@@ -1,6 +1,6 @@
 """``autopar``: the command line. The only place in autopar that prints.
 
-Each subcommand lives in ``planner/commands/<name>.py``. Commands that execute on torch.distributed
+Each subcommand lives in ``cli/commands/<name>.py``. Commands that execute on torch.distributed
 (``calibrate``, ``validate``) import ``runtime`` inside their ``run``: the CLI is the edge that composes the
 packages; library code in ``planner`` never imports ``runtime``.
 """
@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress at INFO level")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
-        mod = importlib.import_module(f"planner.commands.{name}")
+        mod = importlib.import_module(f"cli.commands.{name}")
         p = sub.add_parser(mod.NAME, help=mod.HELP, description=mod.HELP)
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
