@@ -45,6 +45,8 @@ class OpNode:
     """Attention: fraction of the score matrix a causal kernel computes (1.0 = dense / not causal)."""
     bytes_read: float = 0.0
     bytes_written: float = 0.0
+    saved_bytes: float | None = None
+    """Bytes autograd keeps for backward because of this op (``planner.saved``; None: not measured)."""
     params: tuple[ParamRef, ...] = ()
     module_fqn: str = ""
     """Innermost module the op ran in (from ``nn_module_stack``); ``""`` for the root."""

@@ -35,6 +35,7 @@ from typing import Any, Iterator
 from costmodel.errors import UnsupportedModelError
 from planner.flops import op_cost, op_name
 from planner.graph import Edge, OpGraph, OpNode, op_signature
+from planner.saved import saved_bytes_by_node
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +83,33 @@ def _export(model: Any, example_inputs: tuple) -> Any:
     import torch
 
     try:
-        return torch.export.export(model, tuple(example_inputs), strict=False)
+        with _eager_causal_masks():
+            return torch.export.export(model, tuple(example_inputs), strict=False)
     except Exception as e:  # noqa: BLE001 - every export failure becomes one typed error
         raise UnsupportedModelError(_explain_export_failure(model, e)) from None
+
+
+@contextlib.contextmanager
+def _eager_causal_masks() -> Iterator[None]:
+    """Trace the attention the training runtime runs. Under torch.export, transformers materialises the causal
+    mask (so that an exported model can serve other shapes) and then repeats K / V for grouped-query attention;
+    eagerly, full training sequences pass no mask: ``is_causal=True`` with ``enable_gqa`` (flash kernels, K / V
+    not repeated). The saved activations and the attention kernel differ, so the export is told it is eager
+    (``transformers.masking_utils.is_torchdynamo_exporting``), for the duration of the export only."""
+    try:
+        import transformers.masking_utils as masking
+    except ImportError:  # no transformers: nothing to undo
+        yield
+        return
+    original = getattr(masking, "is_torchdynamo_exporting", None)
+    if original is None:
+        yield
+        return
+    masking.is_torchdynamo_exporting = lambda: False
+    try:
+        yield
+    finally:
+        masking.is_torchdynamo_exporting = original
 
 
 def _explain_export_failure(model: Any, exc: BaseException) -> str:
@@ -296,6 +321,7 @@ def _graph_from_export(ep: Any, *, layer_parent: str | None, layer_fqns: tuple[s
         fqn = param_of.get(ph.name)
         grad[ph.name] = bool(fqn is not None and getattr(state.get(fqn), "requires_grad", True))
     layer_set = set(layer_fqns)
+    saved = saved_bytes_by_node(ep) or {}
     nodes: list[OpNode] = []
     edges: dict[tuple[str, str], float] = {}
     param_sizes: dict[str, int] = {}
@@ -310,7 +336,7 @@ def _graph_from_export(ep: Any, *, layer_parent: str | None, layer_fqns: tuple[s
             seen_layer = True
         else:
             block = "head" if seen_layer else "embedding"
-        nodes.append(replace(node, block=block))
+        nodes.append(replace(node, block=block, saved_bytes=saved.get(fx.name, 0.0) if saved else None))
         for f, shape, _ in node.params:
             param_sizes.setdefault(f, _numel(shape))
         for src in _tensor_inputs(fx):

@@ -120,7 +120,13 @@ class _Builder:
     def _input(self) -> None:
         self.ops["input"] = _Acc(name="input", kind="input", inputs=[])
         outside = [(s, b) for d, ps in self.preds.items() for s, b in ps if s not in self.in_block]
-        self.input_src = max(outside, key=lambda x: x[1])[0] if outside else None
+        # the residual stream: the largest floating-point tensor entering the block (a boolean causal mask of
+        # (seq, seq) can be as large as the hidden states at long sequences)
+        self.input_src = max(outside, key=lambda x: (self._floating(x[0]), x[1]))[0] if outside else None
+
+    def _floating(self, name: str) -> bool:
+        node = self.nodes.get(name)
+        return bool(node and node.output_dtypes and node.output_dtypes[0].startswith(("float", "bfloat")))
 
     def _act_inputs(self, n) -> list[str]:
         """Coarse ops producing ``n``'s activation inputs (constants and side inputs such as rotary cos / sin
@@ -192,7 +198,7 @@ class _Builder:
         token_major = [_numel(sh) for sh in n.output_shapes if len(sh) == 2]
         if n.op_class != "view":
             acc.act_elems += 2 * sum(token_major)
-            acc.saved_elems += sum(token_major)
+            acc.saved_elems += _saved_elems(n, sum(token_major))
         if token_major:
             acc.out_elems = float(token_major[0])
 
@@ -230,7 +236,7 @@ class _Builder:
             acc.flops_bwd += n.flops_bwd
         if n.op_class != "view":
             acc.act_elems += max(0, acts)
-            acc.saved_elems += sum(_numel(s) for s in n.output_shapes)
+        acc.saved_elems += _saved_elems(n, sum(_numel(s) for s in n.output_shapes) if n.op_class != "view" else 0)
         acc.weight_elems += weight_elems
         acc.params += weight_elems
 
@@ -300,6 +306,12 @@ class _Builder:
                     kv = feeders[0].out_features[1] // head_dim if len(feeders[0].out_features) > 1 else heads
                     return heads, kv, head_dim
         return None
+
+
+def _saved_elems(n, outputs: float) -> float:
+    """Elements (bf16-sized: the trace runs in bf16) autograd keeps for backward because of node ``n``: measured
+    by ``planner.saved`` when the tracer could replay the graph, else its outputs (an upper bound)."""
+    return outputs if n.saved_bytes is None else n.saved_bytes / 2.0
 
 
 def _norm_modules(nodes) -> frozenset[str]:
