@@ -188,12 +188,11 @@ def _states(zero_stage: int, dense: float, expert: float, plan: Plan, *, target:
     """Model-state bytes of a device: the planner's (target None) or the target's ``mode``; dense parameters
     shard over dp x cp, experts over dp / ep x cp."""
     d = plan.degrees
-    dp_dense, dp_expert = d.dp * d.cp, max(1, d.dp // d.ep) * d.cp
+    groups = ((dense, d.dp * d.cp), (expert, max(1, d.dp // d.ep) * d.cp))
     if target is None:
-        terms = [planned_state_bytes(params=p, zero_stage=zero_stage, dp=g) for p, g in
-                 ((dense, dp_dense), (expert, dp_expert))]
+        terms = [planned_state_bytes(params=p, zero_stage=zero_stage, dp=g) for p, g in groups]
     else:
-        terms = [target.model_state_bytes(params=p, mode=mode, dp=g) for p, g in ((dense, dp_dense), (expert, dp_expert))]
+        terms = [target.model_state_bytes(params=p, mode=mode, dp=g) for p, g in groups]
     return sum(sum(t.values()) for t in terms)
 
 

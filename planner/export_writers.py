@@ -162,7 +162,8 @@ _TITAN_MODEL = '''    # the plan's model shape, built as torchtitan's llama3 fla
         lm_head=Linear.Config(in_features=dim, out_features={vocab}, param_init=_output_linear_init(dim)),
         layers=_build_llama3_layers(
             fuse_qkv=True, n_layers={layers}, dim=dim, n_heads=n_heads, n_kv_heads={kv_heads}, hidden_dim={ffn},
-            rope=ComplexRoPE.Config(dim=dim // n_heads, max_seq_len=max(131072, {seq}), theta=500000, scaling="llama"),
+            rope=ComplexRoPE.Config(dim=dim // n_heads, max_seq_len=max(131072, {seq}), theta=500000,
+                                    scaling="llama"),
             attn_backend="flex",
         ),
     )

@@ -124,12 +124,13 @@ def test_model_state_bytes_checks_its_input():
 def test_bad_target_files_name_the_key(tmp_path):
     good_mode = '[memory.m]\ndescription = "d"\nsource = "s"\nweights = { replicated = 2.0 }\n'
     head = 'name = "x"\nframework = "f"\nsource = "s"\n'
+    rule = '[[cannot_run]]\nwhen = {{ {when} }}\nmessage = "{message}"\nfix = "f"\nsource = "s"\n'
     cases = {
-        "fact": ('[[cannot_run]]\nwhen = { pipeline = 2 }\nmessage = "m"\nfix = "f"\nsource = "s"\n', "unknown fact 'pipeline'"),
-        "compare": ('[[cannot_run]]\nwhen = { pp = "more than 1" }\nmessage = "m"\nfix = "f"\nsource = "s"\n', "comparison"),
-        "type": ('[[cannot_run]]\nwhen = { moe = 1 }\nmessage = "m"\nfix = "f"\nsource = "s"\n', "must be bool"),
-        "brace": ('[[cannot_run]]\nwhen = { pp = 2 }\nmessage = "at {pipeline}"\nfix = "f"\nsource = "s"\n', "unknown fact"),
-        "key": ('[[cannot_run]]\nwhen = { pp = 2 }\nmessage = "m"\nfix = "f"\nsource = "s"\nwhy = "?"\n', "unknown key 'why'"),
+        "fact": (rule.format(when="pipeline = 2", message="m"), "unknown fact 'pipeline'"),
+        "compare": (rule.format(when='pp = "more than 1"', message="m"), "comparison"),
+        "type": (rule.format(when="moe = 1", message="m"), "must be bool"),
+        "brace": (rule.format(when="pp = 2", message="at {pipeline}"), "unknown fact"),
+        "key": (rule.format(when="pp = 2", message="m") + 'why = "?"\n', "unknown key 'why'"),
         "bytes": ('[memory.n]\ndescription = "d"\nsource = "s"\nweights = { replicated = -2 }\n', "must be a number >= 0"),
     }
     for name, (body, error) in cases.items():
