@@ -65,7 +65,7 @@ def trace(model: Any, example_inputs: tuple, *, full_depth: bool = False, causal
         graph = _trace_shortcut(model, example_inputs, found, causal_mask=causal_mask)
     if graph is None:
         layer_fqns = tuple(f"{found[0]}.{i}" for i in range(len(found[1]))) if found else ()
-        ep = _export(model, example_inputs)
+        ep = export_model(model, example_inputs)
         graph = _graph_from_export(ep, layer_parent=found[0] if found else None, layer_fqns=layer_fqns,
                                    causal_mask=causal_mask)
     unsupported = tuple(sorted(Counter(op_name_of(n) for n in graph.nodes if not n.covered).items()))
@@ -79,7 +79,8 @@ def op_name_of(node: OpNode) -> str:
 # --- export and its errors ----------------------------------------------------------------------------------
 
 
-def _export(model: Any, example_inputs: tuple) -> Any:
+def export_model(model: Any, example_inputs: tuple) -> Any:
+    """``torch.export`` (non-strict) of ``model`` as the tracer runs it (eager attention masks), typed errors."""
     import torch
 
     try:
@@ -92,24 +93,25 @@ def _export(model: Any, example_inputs: tuple) -> Any:
 @contextlib.contextmanager
 def _eager_causal_masks() -> Iterator[None]:
     """Trace the attention the training runtime runs. Under torch.export, transformers materialises the causal
-    mask (so that an exported model can serve other shapes) and then repeats K / V for grouped-query attention;
-    eagerly, full training sequences pass no mask: ``is_causal=True`` with ``enable_gqa`` (flash kernels, K / V
-    not repeated). The saved activations and the attention kernel differ, so the export is told it is eager
-    (``transformers.masking_utils.is_torchdynamo_exporting``), for the duration of the export only."""
+    mask (an exported model may serve other shapes, and packed sequences cannot be ruled out without reading the
+    position ids) and then repeats K / V for grouped-query attention; eagerly, unpacked full-length training
+    sequences pass no mask: ``is_causal=True`` with ``enable_gqa`` (flash kernels, K / V not repeated). The
+    saved activations and the attention kernel differ, so for the duration of the export transformers' mask
+    code is told what eager execution finds (``transformers.masking_utils``: not exporting, no packing)."""
     try:
         import transformers.masking_utils as masking
     except ImportError:  # no transformers: nothing to undo
         yield
         return
-    original = getattr(masking, "is_torchdynamo_exporting", None)
-    if original is None:
-        yield
-        return
-    masking.is_torchdynamo_exporting = lambda: False
+    eager = {"is_torchdynamo_exporting": lambda: False, "find_packed_sequence_indices": lambda position_ids: None}
+    original = {name: getattr(masking, name) for name in eager if hasattr(masking, name)}
+    for name in original:
+        setattr(masking, name, eager[name])
     try:
         yield
     finally:
-        masking.is_torchdynamo_exporting = original
+        for name, fn in original.items():
+            setattr(masking, name, fn)
 
 
 def _explain_export_failure(model: Any, exc: BaseException) -> str:
@@ -185,7 +187,7 @@ def _trace_shortcut(model: Any, example_inputs: tuple, found: tuple[str, Any], *
     parent, layers = found
     keep, rep, keys = _representatives(layers)
     with _swapped_layers(model, parent, keep):
-        ep = _export(model, example_inputs)
+        ep = export_model(model, example_inputs)
     reduced_fqns = tuple(f"{parent}.{j}" for j in range(len(keep)))
     reduced = _graph_from_export(ep, layer_parent=parent, layer_fqns=reduced_fqns, causal_mask=causal_mask)
     full_fqns = tuple(f"{parent}.{i}" for i in range(len(layers)))
