@@ -31,34 +31,13 @@ import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 from costmodel.errors import ConfigError, UnsupportedModelError
+from planner.dims import Arch, ModelDims
 from planner.user_code import build_user_model, looks_like_user_spec
 
 log = logging.getLogger(__name__)
-
-Arch = Literal["gpt", "llama", "mixtral", "hf", "custom"]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ModelDims:
-    """Transformer dimensions (0 where unknown, e.g. for user code)."""
-
-    arch: Arch
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    ffn_hidden: int
-    vocab: int
-    seq: int
-    experts: int = 0
-    topk: int = 0
-    glu: bool = False
-    """Gated MLP (SwiGLU: gate, up and down matrices) rather than GeLU (up and down)."""
-    tied_embeddings: bool = False
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelBundle:
