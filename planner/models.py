@@ -2,7 +2,8 @@
 
 ``build_model(spec, batch=, seq=)`` returns a ``ModelBundle``: the ``nn.Module`` (built on the meta device by
 default, so a 405B model costs no memory), example inputs of shape ``(batch, seq)`` and the ``ModelDims`` that
-the cost model and the analytic checks need.
+the cost model and the analytic checks need. For user code the dims are what is known before tracing (layers,
+token seq, the spec's ``heads=``); ``planner.dims.complete_dims`` fills the rest from the traced graph.
 
 Spec forms (see ``list_presets()`` for the preset names):
 

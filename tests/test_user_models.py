@@ -59,3 +59,54 @@ def test_mlp_8b_builds_in_little_memory():
     params, rss_kb = int(out[0]), int(out[1])
     assert params == 8_607_441_896
     assert rss_kb < 1.5 * 2**20  # < 1.5 GB peak
+
+
+def _dims(spec: str):
+    from planner.workload import trace_spec
+
+    return trace_spec(spec).dims
+
+
+@pytest.mark.parametrize("spec,expected", [
+    ("tests.models.gpt:small", dict(layers=4, hidden=256, heads=8, kv_heads=8, ffn_hidden=1024, vocab=1000, seq=128,
+                                    glu=False, tied_embeddings=True)),
+    ("tests.models.gpt:untied", dict(layers=3, hidden=128, heads=4, kv_heads=4, ffn_hidden=512, vocab=500, seq=64,
+                                     tied_embeddings=False)),
+    ("tests.models.gpt:fused", dict(hidden=128, heads=4, ffn_hidden=512)),  # c_attn (3h) feeds attention: not ffn
+    ("tests.models.vit:tiny", dict(layers=4, hidden=64, heads=4, kv_heads=4, ffn_hidden=256, vocab=0, seq=17)),
+    ("tests.models.mlp:tiny", dict(layers=4, hidden=128, heads=0, ffn_hidden=512, vocab=0, seq=1)),
+    ("tests.models.cnn:cnn:channels=24", dict(layers=4, hidden=24, heads=0, ffn_hidden=0, vocab=0, seq=1)),
+])
+def test_dims_inferred_from_the_graph(spec, expected):
+    d = _dims(spec)
+    assert d.arch == "custom"
+    assert {k: getattr(d, k) for k in expected} == expected
+
+
+def test_dims_of_a_llama_graph_match_its_config():
+    """The same rules on a transformers Llama (GQA, SwiGLU, RoPE between q_proj and sdpa) recover its config."""
+    from dataclasses import replace
+
+    from planner.dims import complete_dims
+    from planner.workload import trace_spec
+
+    t = trace_spec("llama:layers=3,hidden=128,ffn=320,heads=8,kv_heads=2,vocab=300,seq=32")
+    unknown = replace(t.dims, arch="custom", hidden=0, heads=0, kv_heads=0, ffn_hidden=0, vocab=0, seq=0,
+                      glu=False, tied_embeddings=False)
+    assert complete_dims(unknown, t.graph) == replace(t.dims, arch="custom")
+
+
+def test_heads_of_a_hand_written_attention(caplog):
+    with caplog.at_level("WARNING", logger="planner.dims"):
+        d = _dims("tests.models.gpt:manual")
+    assert (d.heads, d.kv_heads, d.hidden) == (0, 0, 128)  # 0 = unknown, never a guess
+    assert "heads unknown" in caplog.text and "heads=N" in caplog.text
+    d = _dims("tests.models.gpt:manual:heads=4")
+    assert (d.heads, d.kv_heads) == (4, 4)
+    from costmodel.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="heads=3 does not divide the hidden width 128"):
+        _dims("tests.models.gpt:manual:heads=3")
+    with pytest.raises(ConfigError, match=r"spec says heads=8, kv_heads=8 but the traced attention .* has heads=4"):
+        _dims("tests.models.gpt:untied:heads=8")  # untied() takes no heads: the hint contradicts the graph
+    assert _dims("tests.models.gpt:small:heads=4").heads == 4  # small() takes heads: it builds 4 heads
