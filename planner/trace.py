@@ -86,7 +86,21 @@ def trace(model: Any, example_inputs: tuple, *, full_depth: bool = False, causal
         graph = _graph_from_export(ep, layer_parent=found[0] if found else None, layer_fqns=layer_fqns,
                                    causal_mask=causal_mask)
     unsupported = tuple(sorted(Counter(op_name_of(n) for n in graph.nodes if not n.covered).items()))
-    return replace(graph, unsupported=unsupported, trace_time_s=time.perf_counter() - t0)
+    return replace(graph, unsupported=unsupported, module_kinds=module_kinds(model),
+                   trace_time_s=time.perf_counter() - t0)
+
+
+def module_kinds(model: Any) -> tuple[tuple[str, str], ...]:
+    """(FQN, ``linear`` / ``embedding``) of the ``nn.Linear`` / ``nn.Embedding`` modules (``OpGraph.module_kinds``)."""
+    import torch.nn as nn
+
+    kinds = []
+    for fqn, mod in model.named_modules():
+        if isinstance(mod, nn.Linear):
+            kinds.append((fqn, "linear"))
+        elif isinstance(mod, nn.Embedding):
+            kinds.append((fqn, "embedding"))
+    return tuple(kinds)
 
 
 def op_name_of(node: OpNode) -> str:

@@ -110,3 +110,110 @@ def test_heads_of_a_hand_written_attention(caplog):
     with pytest.raises(ConfigError, match=r"spec says heads=8, kv_heads=8 but the traced attention .* has heads=4"):
         _dims("tests.models.gpt:untied:heads=8")  # untied() takes no heads: the hint contradicts the graph
     assert _dims("tests.models.gpt:small:heads=4").heads == 4  # small() takes heads: it builds 4 heads
+
+
+# --- per-block coarse ops and their sharding candidates ----------------------------------------------------------
+
+
+def _op_list(spec: str, block: int = 1):
+    from planner.graph import find_blocks
+    from planner.search.block_ops import layer_ops_from_block
+    from planner.workload import trace_spec
+
+    t = trace_spec(spec)
+    return layer_ops_from_block(find_blocks(t.graph)[block], t.graph, microbatch=1, seq=t.dims.seq)
+
+
+def _layer_ops(spec: str, block: int = 1):
+    """Ops by their first module, or by kind for module-less ops (attention)."""
+    return {op.modules[0] if op.modules else op.kind: op for op in _op_list(spec, block)}
+
+
+def _cands(op, tp: int = 2) -> set[str]:
+    from planner.search.strategies import MeshShape, candidates
+
+    return {s.name for s in candidates(op, MeshShape(tp=tp))}
+
+
+def test_gpt_block_ops():
+    ops = _layer_ops("tests.models.gpt:small")
+    qkv = ops["attn.q"]
+    assert qkv.modules == ("attn.q", "attn.k", "attn.v") and qkv.shard_dims == (8, 8, 8, 256)  # whole heads
+    assert _cands(qkv) == {"replicate", "colwise"}
+    assert ops["attention"].shard_dims == (8, 8) and _cands(ops["attention"]) == {"replicate", "heads"}
+    assert ops["attn.o"].shard_dims == (256, 8) and _cands(ops["attn.o"]) == {"replicate", "colwise", "rowwise"}
+    assert _cands(ops["mlp.fc1"]) >= {"colwise"} and _cands(ops["mlp.fc2"]) >= {"rowwise"}
+    assert _cands(ops["attention"], tp=16) == {"replicate"}  # 16 does not divide 8 heads
+
+
+def test_vit_multihead_attention_is_replicated_its_mlp_sharded():
+    ops = _layer_ops("tests.models.vit:tiny")
+    # nn.MultiheadAttention runs F.linear on its packed in_proj_weight and on out_proj's weight: no TP style
+    assert _cands(ops["self_attn"]) == {"replicate"} and _cands(ops["self_attn.out_proj"]) == {"replicate"}
+    assert _cands(ops["attention"]) == {"replicate"}
+    assert _cands(ops["linear1"]) >= {"colwise"} and _cands(ops["linear2"]) >= {"rowwise"}
+
+
+def test_fused_qkv_and_hand_written_attention_are_replicated():
+    fused = _layer_ops("tests.models.gpt:fused")
+    assert _cands(fused["attn.c_attn"]) == {"replicate"}  # c_attn(x).split(h): a column shard is not q/k/v
+    assert _cands(fused["attention"]) == {"replicate"}
+    manual = _op_list("tests.models.gpt:manual")
+    matmuls = [op for op in manual if op.kind == "matmul"]  # QK^T and AV, written by hand
+    assert len(matmuls) == 2 and all(_cands(op) == {"replicate"} for op in matmuls)
+    assert not any(op.kind == "attention" for op in manual)
+
+
+def test_mlp_and_cnn_block_ops():
+    mlp = _layer_ops("tests.models.mlp:tiny")
+    assert _cands(mlp["fc1"]) >= {"colwise"} and _cands(mlp["fc2"]) >= {"rowwise"}
+    assert mlp["fc1"].shard_dims == (512, 128)
+    cnn = _layer_ops("tests.models.cnn:small")
+    assert [op.kind for op in cnn.values() if op.kind in ("conv", "batchnorm")] == ["conv", "batchnorm"] * 2
+    assert all(_cands(op, tp=4) == {"replicate"} for op in cnn.values() if op.kind in ("conv", "batchnorm"))
+    assert not any(op.kind == "experts" for op in cnn.values())  # 4-D conv kernels are not expert weights
+    stem = _layer_ops("tests.models.cnn:small", block=0)
+    assert stem["stem"].kind == "conv" and stem["stem"].flops_fwd == 2 * 32 * 32 * 32 * 3 * 9
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_every_block_solves(spec):
+    from costmodel.profiles import make_cluster
+    from planner.graph import find_blocks
+    from planner.search.block_plan import StrategyCache, block_strategy
+    from planner.workload import trace_spec
+
+    cluster, cache = make_cluster("dgx-a100-80gb", 1), StrategyCache()
+    t = trace_spec(spec)
+    for b in find_blocks(t.graph):
+        for tp in (1, 2):
+            bs = block_strategy(b, graph=t.graph, tp=tp, microbatch=2, seq=t.dims.seq, cluster=cluster, cache=cache)
+            assert bs.solver["status"] == "optimal" and bs.time_fwd_s > 0
+            assert bool(bs.shardings) == bool(b.params)  # every block with weights says how they are held
+
+
+def test_large_blocks_choose_megatron_shardings():
+    """At a compute-heavy size the ILP shards the GPT Megatron-style and the ViT's MLP, not its attention."""
+    from costmodel.profiles import make_cluster
+    from planner.graph import find_blocks
+    from planner.search.block_plan import block_strategy
+    from planner.workload import trace_spec
+
+    cluster = make_cluster("dgx-a100-80gb", 1)
+    expect = {
+        "tests.models.gpt:gpt:hidden=1024,heads=16,seq=512": {
+            "attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.o": "rowwise",
+            "mlp.fc1": "colwise", "mlp.fc2": "rowwise"},
+        "tests.models.vit:vit:hidden=1024,heads=16,mlp=4096,image=224,patch=16": {
+            "self_attn": "replicate", "self_attn.out_proj": "replicate", "linear1": "colwise", "linear2": "rowwise"},
+        "tests.models.mlp:mlp:width=4096,hidden=16384": {"fc1": "colwise", "fc2": "rowwise"},
+        "tests.models.gpt:gpt:hidden=1024,heads=16,seq=512,impl=manual": {
+            "attn.q": "replicate", "attn.o": "replicate", "mlp.fc1": "colwise", "mlp.fc2": "rowwise"},
+        "tests.models.gpt:gpt:hidden=1024,heads=16,seq=512,impl=fused": {
+            "attn.c_attn": "replicate", "mlp.fc1": "colwise", "mlp.fc2": "rowwise"},
+    }
+    for spec, styles in expect.items():
+        t = trace_spec(spec)
+        b = find_blocks(t.graph)[1]
+        bs = block_strategy(b, graph=t.graph, tp=4, microbatch=16, seq=t.dims.seq, cluster=cluster)
+        assert {m.fqn: m.style for m in bs.shardings if m.fqn in styles} == styles, spec

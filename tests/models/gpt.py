@@ -17,7 +17,7 @@ import torch.nn.functional as F
 class Attention(nn.Module):
     def __init__(self, hidden: int, heads: int, *, impl: str = "sdpa") -> None:
         super().__init__()
-        self.heads, self.impl = heads, impl
+        self.head_dim, self.impl = hidden // heads, impl
         if impl == "fused":
             self.c_attn = nn.Linear(hidden, 3 * hidden)
         else:
@@ -30,14 +30,15 @@ class Attention(nn.Module):
             q, k, v = self.c_attn(x).split(h, dim=2)
         else:
             q, k, v = self.q(x), self.k(x), self.v(x)
-        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))  # (B, nh, S, hd)
+        # -1, not a head count: under tensor parallelism q / k / v hold this rank's heads only
+        q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))  # (B, nh, S, hd)
         if self.impl == "manual":
-            att = (q @ k.transpose(-2, -1)) / math.sqrt(h // self.heads)
+            att = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
             mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
             y = att.masked_fill(~mask, float("-inf")).softmax(dim=-1) @ v
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o(y.transpose(1, 2).reshape(b, s, h))
+        return self.o(y.transpose(1, 2).reshape(b, s, -1))
 
 
 class MLP(nn.Module):
