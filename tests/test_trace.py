@@ -435,3 +435,29 @@ def test_untraceable_user_model_names_the_line(tmp_path, monkeypatch):
     assert "torch.export could not trace Bad" in msg and "bad_models_t.py:11" in msg
     assert "Suggestion:" in msg and "Traceback" not in msg
     sys.modules.pop("bad_models_t", None)
+
+
+def test_hand_written_gpt_flops_by_hand():
+    """tests.models.gpt:small (l=4, h=256, ffn=1024, V=1000, s=128, tied head), traced at batch 2."""
+    b = build_model("tests.models.gpt:small", batch=2)
+    g = trace(b.model, b.example_inputs)
+    B, l, h, ffn, V, s = 2, 4, 256, 1024, 1000, 128
+    dense = B * (l * (2 * s * h * 4 * h + 2 * 2 * s * h * ffn) + 2 * s * h * V)  # q/k/v/o, fc1/fc2, head
+    attn = B * l * 4 * s * s * h  # QK^T and AV, dense
+    assert g.flops_fwd == pytest.approx(dense + attn, rel=1e-12)
+    assert g.flops_bwd == pytest.approx(2 * dense + 2.5 * attn, rel=1e-12)  # flash backward recomputes QK^T
+    assert g.model_flops == pytest.approx(3 * (dense + attn), rel=1e-12)
+    assert g.model_flops_causal == pytest.approx(3 * dense + 3 * attn * (s + 1) / (2 * s), rel=1e-12)
+    assert g.params == 3_448_320
+
+
+def test_hand_written_mlp_flops_by_hand():
+    """tests.models.mlp:tiny (64 -> 128, 4 blocks 128 -> 512 -> 128, 128 -> 10), traced at batch 3: the input
+    projection reads the raw features, so its backward is the weight gradient alone."""
+    b = build_model("tests.models.mlp:tiny", batch=3)
+    g = trace(b.model, b.example_inputs)
+    B = 3
+    first, blocks, out = 2 * B * 64 * 128, 4 * 2 * (2 * B * 128 * 512), 2 * B * 128 * 10
+    assert g.flops_fwd == first + blocks + out
+    assert g.flops_bwd == first + 2 * (blocks + out)
+    assert not any(n.op_class == "attention" for n in g.nodes)
