@@ -89,6 +89,9 @@ class OpGraph:
     """FQNs of the transformer layer modules, in execution order."""
     traced_layers: int = 0
     """Layers torch.export actually traced (fewer than ``len(layer_fqns)`` when the shortcut expanded them)."""
+    module_kinds: tuple[tuple[str, str], ...] = ()
+    """(module FQN, ``linear`` / ``embedding``) for the model's ``nn.Linear`` / ``nn.Embedding`` modules (subclasses
+    included): the modules DTensor's ColwiseParallel / RowwiseParallel accept. Empty when not recorded."""
     unsupported: tuple[tuple[str, int], ...] = ()
     """Coverage: ops with no FLOP rule, (op name, count) in the expanded graph."""
     trace_time_s: float = 0.0
