@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 LinkKind = Literal["nvlink", "nvswitch", "xgmi", "pcie", "infiniband", "roce", "ethernet", "loopback"]
 LINK_KINDS: tuple[str, ...] = ("nvlink", "nvswitch", "xgmi", "pcie", "infiniband", "roce", "ethernet", "loopback")
-DTYPES: tuple[str, ...] = ("bf16", "fp16", "tf32", "fp32")
+DTYPES: tuple[str, ...] = ("bf16", "fp16", "tf32", "fp32", "fp8", "fp4")
 INTRA_TOPOLOGIES: tuple[str, ...] = ("switch", "full-mesh", "hybrid-cube-mesh", "pcie-tree", "shared-memory")
 
 # A dtype the device lacks falls back to the nearest one it has (V100 has no bf16 / tf32 tensor cores: a bf16
@@ -34,6 +34,8 @@ _DTYPE_FALLBACK: dict[str, tuple[str, ...]] = {
     "fp16": ("fp16", "bf16", "fp32"),
     "tf32": ("tf32", "fp32"),
     "fp32": ("fp32",),
+    "fp8": ("fp8",),
+    "fp4": ("fp4",),
 }
 
 
