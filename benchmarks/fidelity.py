@@ -24,14 +24,16 @@ Case assumptions (the JSON's fields, plus what Table 2 leaves out):
 Where the constants live and how they were set (no per-case fitting; the same objects price every case and
 every plan):
 
-- ``costmodel.compute.ComputeEfficiency`` (engineer C1): large-GEMM efficiency, the tile / launch penalty of
+- ``costmodel.compute.ComputeEfficiency``: large-GEMM efficiency, the tile / launch penalty of
   small or skinny GEMMs, memory-bound efficiencies per op class; from vendor guides and public benchmarks
   (see its docstring), not from these cases.
-- ``costmodel.comm.CommEfficiency`` (engineer C1): achievable fraction of each link's datasheet rate, from
+- ``costmodel.comm.CommEfficiency``: achievable fraction of each link's datasheet rate, from
   nccl-tests reports.
-- ``costmodel.layer_time.StepConstants`` (this model): per-token memory-bound byte counts of a transformer
-  layer (LayerNorm, bias + GeLU, dropout, residual, unfused softmax), counted from the kernels' reads and
-  writes; Adam's bytes per parameter; and three constants no datasheet gives, each set ONCE for all cases:
+- The execution targets' constants (``profiles/targets/<name>.toml``, one set per target, each with its
+  source): the SC21 Table 1 and PTD-P rows are priced for ``megatron:sc21`` (Megatron-LM with the options
+  SC21 states: fp16 gradients, no tp communication overlap, no distributed optimizer), the ZeRO-3 rows for
+  ``deepspeed``. Per-token byte counts of the kernels (unfused softmax), Adam's bytes per parameter, fused q/k/v
+  (Megatron-LM), and three constants no datasheet gives, each set ONCE for all cases:
   ``sustained_compute`` 0.85 (tensor-core work in a training step vs. an isolated kernel: A100 clocks under
   the 400 W limit, SMs shared with NCCL) was set from the Table 1 rows as a whole (it moves every
   compute-bound row by the same factor; before it the model was 9-20% optimistic on all of them);
@@ -39,12 +41,11 @@ every plan):
   overlapped communication, together with facts about the runtimes that are not fitted: ZeRO-3 collectives
   cross nodes as a flat ring at one NIC per GPU (``zero3_flat_nic``); a recomputed layer's forward and backward
   share one parameter all-gather (``zero3_passes_recompute`` False: three passes a micro-batch); DeepSpeed
-  fetches each of a layer's six modules separately, so each pays the ring latency (``SC21_CONSTANTS``:
+  fetches each of a layer's six modules separately, so each pays the ring latency (deepspeed.toml
   ``zero3_collectives_per_layer`` 6, where autopar's own FSDP2 runtime has 1) and the latency grows with the GPU
-  count (530B at 2240 GPUs is slower per step than at 1120, as measured); Megatron-LM fuses q/k/v
-  (``tp_fused_input_projections``). The grid tried k in 0.2-0.7 with 1, 2, 4, 6, 8 collectives per layer (three
-  and four passes); k 0.5 with DeepSpeed's 6 gives max 6.9% on these rows and leaves the Table 1 rows within 0.5
-  points of where they were. No constant was tuned per case.
+  count (530B at 2240 GPUs is slower per step than at 1120, as measured). The grid tried k in 0.2-0.7 with 1, 2,
+  4, 6, 8 collectives per layer (three and four passes); k 0.5 with DeepSpeed's 6 gives max 6.9% on these rows
+  and leaves the Table 1 rows within 0.5 points of where they were. No constant was tuned per case.
 - Without the per-module latency term the model had no way to make a 530B step at 2240 GPUs slower than
   at 1120 GPUs, and missed the 530B ZeRO-3 rows by +13% / -12%.
 - ``costmodel.memory.MemoryConstants``: bytes per parameter (ZeRO paper), allocator reserve.
@@ -53,7 +54,6 @@ every plan):
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -62,7 +62,7 @@ from pathlib import Path
 
 from costmodel.analytic import gpt_workload, sc21_model_flops
 from costmodel.profiles import make_cluster
-from costmodel.step_config import DEFAULT_STEP_CONSTANTS
+from costmodel.targets import load_target
 from costmodel.step import ParallelConfig, estimate_step
 from costmodel.workload import Workload
 
@@ -72,8 +72,7 @@ TABLE2_MODELS = {"175b": dict(layers=96, hidden=12288, heads=96), "530b": dict(l
 TABLE2_VIRTUAL = {"175b": 2, "530b": 3}
 # The runtimes of the published runs, not autopar's: Megatron-LM fuses q/k/v into one column-parallel GEMM (one
 # input-gradient all-reduce for attention); DeepSpeed ZeRO-3 fetches each of a layer's six modules separately.
-SC21_CONSTANTS = dataclasses.replace(DEFAULT_STEP_CONSTANTS, tp_fused_input_projections=True,
-                                     zero3_collectives_per_layer=6)
+
 PRESETS = {1.7: "megatron-1.7b", 3.6: "megatron-3.6b", 7.5: "megatron-7.5b", 18.4: "megatron-18b",
            39.1: "megatron-39b", 76.1: "megatron-76b", 145.6: "megatron-145b", 310.1: "megatron-310b",
            529.6: "megatron-530b", 1008.0: "megatron-1t", 175: "gpt3-175b", 530: "megatron-530b"}
@@ -154,7 +153,8 @@ def run(*, workload: str = "analytic", path: Path = DATA) -> list[dict]:
     rows, cache = [], {}
     for case in load_cases(path):
         w, source = _workload(case, workload, cache)
-        est = estimate_step(w, case.config, make_cluster("dgx-a100-80gb", case.gpus // 8), constants=SC21_CONSTANTS)
+        target = load_target("deepspeed" if case.config.zero_stage == 3 else "megatron:sc21")
+        est = estimate_step(w, case.config, make_cluster("dgx-a100-80gb", case.gpus // 8), target=target)
         # the paper's FLOP count (Eq. 3) over the predicted step time: the same numerator as the measurement
         flops = sc21_model_flops(batch=case.config.global_batch, seq=SEQ, layers=case.dims["layers"],
                                  hidden=case.dims["hidden"], vocab=VOCAB, recompute=True)

@@ -36,6 +36,8 @@ class LayerCtx:
     cluster: Cluster
     """The node group(s) the block's devices sit in: its tp / cp / ep collectives run there."""
     constants: StepConstants
+    precision: str = "bf16"
+    """GEMM precision of the block's linears (``constants.precision(name)`` says how the target runs it)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1,6 +1,7 @@
 """Step time, throughput and memory of one parallel configuration on one cluster.
 
-``estimate_step(workload, config, cluster)`` composes the pieces:
+``estimate_step(workload, config, cluster, target=)`` composes the pieces, with the execution target's constants
+(``costmodel.targets.Target.constants``: kernels, overlaps, communication dtypes, precisions) and memory layout:
 
 1. Layer times for one micro-batch on one device (``costmodel.layer_time``): compute plus the tp / cp / ep
    collectives each layer puts on the critical path; recomputation adds a forward (full: with its tp
@@ -15,13 +16,16 @@
    ``b s h / tp`` activations (SC21 scatter/gather over the tp ranks' links) per hop.
 3. Data parallel (over the dp x cp ranks that share weights): gradient all-reduce (ZeRO-0), reduce-scatter
    + parameter all-gather (ZeRO-1/2), or per-micro-batch parameter all-gathers in forward and before the
-   backward (serving the recomputation too) plus gradient reduce-scatters (ZeRO-3). Overlapped with the backward of the
-   last micro-batch (ZeRO-3: with all compute) when ``overlap_grad_reduce`` and the devices can overlap (not
+   backward (serving the recomputation too) plus gradient reduce-scatters (ZeRO-3), at the target's gradient and
+   gather bytes per element (a quantized gather for fp8 parameters). Overlapped with the backward of the last
+   micro-batch (ZeRO-1/2 with ``overlap_param_gather``: with its forward and backward; ZeRO-3: with all compute)
+   when ``overlap_grad_reduce`` and the devices can overlap (not
    CPU ranks that keep every core busy, per the calibration):
    ``exposed = max(0, comm - window) + k min(comm, window)`` (``StepConstants.overlap_slowdown``).
 4. Optimizer: Adam over the device's (ZeRO-sharded) parameters, memory-bound, on each rank's device.
 5. Memory per pipeline rank (``costmodel.memory``) with the schedule's in-flight micro-batches, checked
-   against that rank's own device memory.
+   against that rank's own device memory; model states in the target's layout (``[memory.*]``) plus the
+   precision's quantized weight copies.
 
 Speed: the per-workload structure (distinct layers and their count per chunk) is memoized by the identity of
 the immutable ``workload.layers`` tuple. The pure pieces of a call are memoized too (``functools.lru_cache`` on
@@ -52,11 +56,13 @@ from costmodel.compute import op_time_s
 from costmodel.errors import ConfigError
 from costmodel.hardware import Cluster
 from costmodel.block_cost import LayerCtx
-from costmodel.step_config import (DEFAULT_STEP_CONSTANTS, ParallelConfig, StepConstants, check_recompute_layers,
-                                   check_stage_layers, validate_config)
+from costmodel.step_config import (ParallelConfig, StepConstants, check_recompute_layers, check_stage_layers,
+                                   validate_config)
+from costmodel.targets import Target, load_target
 from costmodel.workload import Workload
 
-__all__ = ["ParallelConfig", "StepEstimate", "StepConstants", "estimate_step", "even_stage_layers", "layer_contexts"]
+__all__ = ["ParallelConfig", "StepEstimate", "StepConstants", "Target", "estimate_step", "even_stage_layers",
+           "layer_contexts", "default_target"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -138,12 +144,13 @@ class _CtxKey:
     recompute: str
     flash: bool
     constants: StepConstants
+    precision: str = "bf16"
 
     def ctx(self) -> LayerCtx:
         cluster = self.cluster.obj
         return LayerCtx(device=slowest_device(cluster), cluster=cluster, microbatch=self.microbatch, tp=self.tp,
                         cp=self.cp, ep=self.ep, sp=self.sp, recompute=self.recompute, flash=self.flash,
-                        constants=self.constants)
+                        constants=self.constants, precision=self.precision)
 
 
 @functools.lru_cache(maxsize=256)
@@ -331,9 +338,11 @@ def _dp_collective(op: str, nbytes: float, group: Group, cluster: Cluster, *, fl
 
 
 @functools.lru_cache(maxsize=16384)
-def _dp_comm(wb: int, cluster: ByIdentity, dense: float, expert: float, m: int, k: StepConstants, *, dp: int, cp: int,
-             tp: int, ep: int, zero_stage: int, recompute: str, layers: int) -> tuple[str, float]:
+def _dp_comm(wb: tuple[float, float], cluster: ByIdentity, dense: float, expert: float, m: int, k: StepConstants, *,
+             dp: int, cp: int, tp: int, ep: int, zero_stage: int, recompute: str, layers: int) -> tuple[str, float]:
     """Seconds of data-parallel traffic per step for one pipeline rank, and its link kind (pure: memoized).
+    ``wb``: bytes per element of the gradient reduction and of the parameter all-gather (the target's, the
+    precision's quantized gather).
 
     ZeRO-3 gathers and reduces parameters module by module: ``layers`` transformer layers on the rank times
     ``StepConstants.zero3_collectives_per_layer`` collectives per pass, plus one for the rank's other entries
@@ -341,8 +350,8 @@ def _dp_comm(wb: int, cluster: ByIdentity, dense: float, expert: float, m: int, 
     groups = ((dense, Group(size=dp * cp, stride=tp)),
               (expert, Group(size=max(1, dp // ep) * cp, stride=tp * ep)))
     total, kind, largest = 0.0, "", 0.0
+    reduce_b, gather_b = wb
     for params, g in groups:
-        nbytes = params * wb
         if zero_stage == 0:
             parts = [("all_reduce", 1)]
         elif zero_stage in (1, 2):
@@ -352,6 +361,7 @@ def _dp_comm(wb: int, cluster: ByIdentity, dense: float, expert: float, m: int, 
             parts = [("all_gather", gathers * m), ("reduce_scatter", m)]
         units = layers * k.zero3_collectives_per_layer + 1 if zero_stage == 3 else 1
         for op, times in parts:
+            nbytes = params * (gather_b if op == "all_gather" else reduce_b)
             lk, t = _dp_collective(op, nbytes / units, g, cluster.obj, flat=zero_stage == 3 and k.zero3_flat_nic)
             t *= units
             if t * times > largest:  # the link kind of the largest contribution names the traffic
@@ -451,11 +461,15 @@ def _data_parallel(workload: Workload, cfg: ParallelConfig, parts: tuple[Cluster
     memo: dict[tuple[float, float, int, int], tuple[str, float]] = {}
     exposed, kind = 0.0, ""
     dense_l, expert_l, bwd_l = dense.tolist(), expert.tolist(), pipe["bwd_rank_s"].tolist()
+    rank_l = pipe["per_rank_s"].tolist()
+    own = float(workload.dtype_bytes)
+    gather = k.precision(cfg.precision).param_gather_bytes or k.param_gather_bytes
+    wb = (k.grad_reduce_bytes or own, gather or own)
     layers_l = [int(x) for x in layers.tolist()]
     for r in range(cfg.pp):
         key = (dense_l[r], expert_l[r], layers_l[r], _class_of(classes, r))
         if key not in memo:
-            memo[key] = _dp_comm(workload.dtype_bytes, ByIdentity(parts[key[3]]), key[0], key[1], m, k, dp=cfg.dp,
+            memo[key] = _dp_comm(wb, ByIdentity(parts[key[3]]), key[0], key[1], m, k, dp=cfg.dp,
                                  cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, zero_stage=cfg.zero_stage,
                                  recompute=cfg.recompute, layers=key[2])
         lk, t = memo[key]
@@ -463,11 +477,13 @@ def _data_parallel(workload: Workload, cfg: ParallelConfig, parts: tuple[Cluster
             window = 0.0
         elif cfg.zero_stage == 3:
             window = pipe["total_s"]
+        elif cfg.zero_stage > 0 and k.overlap_param_gather:  # the gather overlaps the next step's forward
+            window = rank_l[r]
         else:
             window = bwd_l[r]
         e = _exposed(t, window, k)
         if window > 0 and cfg.zero_stage < 3:  # the last bucket starts when the backward ends
-            grad_bytes = (key[0] + key[1]) * workload.dtype_bytes
+            grad_bytes = (key[0] + key[1]) * wb[0]
             e = max(e, t * min(1.0, k.last_bucket_bytes / grad_bytes) if grad_bytes > 0 else 0.0)
         if e >= exposed:
             exposed, kind = e, lk
@@ -500,17 +516,29 @@ def _inflight(schedule: str, pp: int, m: int, v: int) -> np.ndarray:
     return out
 
 
+def _model_states(workload: Workload, cfg: ParallelConfig, target: Target, dense: np.ndarray,
+                  expert: np.ndarray) -> dict[str, np.ndarray]:
+    """Weights, gradients and optimizer states per pipeline rank under the target's layout for ``cfg`` (its
+    ``[memory.*]`` mode), plus the precision's quantized weight copies (sharded with the weights under ZeRO-3)."""
+    w = workload
+    mode = target.memory_mode(cfg, experts=w.experts, tied_embeddings=w.tied_embeddings, glu=w.glu)
+    extra = target.constants.precision(cfg.precision).weight_bytes_per_param
+    terms: dict[str, np.ndarray] = {}
+    for params, d in ((dense, cfg.dp * cfg.cp), (expert, max(1, cfg.dp // cfg.ep) * cfg.cp)):
+        per = mode.term_bytes_per_param(d)
+        per["weights"] += extra / (d if cfg.zero_stage == 3 else 1)
+        for key, b in per.items():
+            terms[key] = terms.get(key, 0.0) + params * b
+    return terms
+
+
 def _memory(workload: Workload, cfg: ParallelConfig, ch: dict[str, np.ndarray], dense: np.ndarray,
-            expert: np.ndarray, m: int, mc: mem.MemoryConstants) -> tuple[dict[str, np.ndarray], np.ndarray]:
+            expert: np.ndarray, m: int, mc: mem.MemoryConstants, target: Target) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """Memory terms per pipeline rank (arrays of bytes) and the totals with the allocator reserve, from the
     chunk arrays ``ch`` (the coster's bytes per block, summed or maxed per chunk)."""
     w, pp, v = workload, cfg.pp, cfg.virtual_stages
     inflight = _inflight(cfg.schedule, pp, m, v)
-    terms = mem.model_state_bytes(params=dense, zero_stage=cfg.zero_stage, dp=cfg.dp * cfg.cp, constants=mc)
-    if expert.any():
-        ex = mem.model_state_bytes(params=expert, zero_stage=cfg.zero_stage,
-                                   dp=max(1, cfg.dp // cfg.ep) * cfg.cp, constants=mc)
-        terms = {key: terms[key] + ex[key] for key in terms}
+    terms = _model_states(w, cfg, target, dense, expert)
     tokens = cfg.microbatch * w.seq / cfg.cp
     terms["activations"] = _per_rank(ch["act"], v, pp) * inflight + _per_rank(ch["work"], v, pp, "max")
     terms["logits"] = _per_rank(ch["head_work"], v, pp, "max")
@@ -550,19 +578,20 @@ def _ctx_keys(workload: Workload, cfg: ParallelConfig, clusters: tuple[Cluster, 
               k: StepConstants) -> tuple[_CtxKey, ...]:
     return tuple(_CtxKey(workload=ByIdentity(workload), cluster=ByIdentity(part), microbatch=cfg.microbatch,
                          tp=cfg.tp, cp=cfg.cp, ep=cfg.ep, sp=cfg.sequence_parallel and cfg.tp > 1,
-                         recompute=cfg.recompute, flash=cfg.flash_attention, constants=k) for part in clusters)
+                         recompute=cfg.recompute, flash=cfg.flash_attention, constants=k, precision=cfg.precision)
+                 for part in clusters)
 
 
 def layer_contexts(workload: Workload, config: ParallelConfig, cluster: Cluster, *,
                    stage_layers: tuple[int, ...] | None = None,
-                   constants: StepConstants = DEFAULT_STEP_CONSTANTS) -> tuple[LayerCtx, ...]:
+                   target: Target | None = None) -> tuple[LayerCtx, ...]:
     """The layer context every workload entry is priced in under ``config`` (its pipeline rank's node group,
     its recomputation): what the coster was asked, so the caller can read back the shardings it chose."""
     chunks = config.pp * config.virtual_stages
     stage_layers = even_stage_layers(workload, chunks) if stage_layers is None else tuple(stage_layers)
     mask = recompute_mask(workload, stage_layers, config)
     clusters, classes = rank_clusters(cluster, config.pp)
-    keys = _ctx_keys(workload, config, clusters, constants)
+    keys = _ctx_keys(workload, config, clusters, (target or default_target()).constants)
     owner = np.repeat(np.arange(len(stage_layers)), stage_layers)
     out = []
     for e, on in enumerate(mask):
@@ -572,7 +601,8 @@ def layer_contexts(workload: Workload, config: ParallelConfig, cluster: Cluster,
 
 
 def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_layers: tuple[int, ...] | None,
-              k: StepConstants, mc: mem.MemoryConstants) -> StepEstimate:
+              target: Target, mc: mem.MemoryConstants) -> StepEstimate:
+    k = target.constants
     m, chunks = cfg.num_microbatches, cfg.pp * cfg.virtual_stages
     pl.check_schedule(cfg.schedule, pp=cfg.pp, num_microbatches=m, virtual_stages=cfg.virtual_stages)
     if stage_layers is None:
@@ -597,7 +627,7 @@ def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_l
         breakdown[key] = breakdown.get(key, 0.0) + dp["exposed_s"]
     breakdown["optimizer"] = dp["optimizer_s"]
     step_s = pipe["total_s"] + dp["exposed_s"] + dp["optimizer_s"]
-    terms, totals = _memory(workload, cfg, pipe["chunks"], dense, expert, m, mc)
+    terms, totals = _memory(workload, cfg, pipe["chunks"], dense, expert, m, mc, target)
     worst = int(np.argmax(totals))
     worst_mem = mem.MemoryEstimate(terms={key: float(val[worst]) for key, val in terms.items()})
     part_gb = [min(g.node.gpu.memory_bytes for g in part.groups) / mem.GB for part in clusters]
@@ -638,7 +668,7 @@ def _virtual_choices(workload: Workload, cfg: ParallelConfig, stage_layers) -> l
     return [v for v in range(1, per_rank + 1) if per_rank % v == 0] or [1]
 
 
-def _choose(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_layers, k, mc) -> StepEstimate:
+def _choose(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_layers, target, mc) -> StepEstimate:
     """Fill in a None micro-batch / virtual_stages: the fastest that fits, else the smallest memory."""
     per_rank = cfg.global_batch // cfg.dp
     mbs = [cfg.microbatch] if cfg.microbatch else [d for d in range(1, per_rank + 1) if per_rank % d == 0]
@@ -648,7 +678,7 @@ def _choose(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_lay
         for v in vs:
             trial = dataclasses.replace(cfg, microbatch=mb, virtual_stages=v)
             try:
-                est = _estimate(workload, trial, cluster, stage_layers, k, mc)
+                est = _estimate(workload, trial, cluster, stage_layers, target, mc)
             except ConfigError as e:
                 errors.append(str(e))
                 continue
@@ -672,15 +702,23 @@ def estimate_step(
     cluster: Cluster,
     *,
     stage_layers: tuple[int, ...] | None = None,
-    constants: StepConstants = DEFAULT_STEP_CONSTANTS,
+    target: Target | None = None,
     memory_constants: mem.MemoryConstants = mem.DEFAULT_MEMORY,
 ) -> StepEstimate:
     """Step time, FLOP rates, memory and breakdown of ``config`` (see the module docstring).
 
     ``stage_layers``: workload entries per pipeline chunk (``pp * virtual_stages`` counts); None: even.
+    ``target``: the execution target whose constants price the step (``costmodel.targets``; None: autopar).
     Raises ConfigError for invalid configurations, with the numbers and the nearest valid values.
     """
     validate_config(config, workload, cluster.num_devices)
+    target = target or default_target()
+    target.check_precision(config.precision, cluster)
     if config.microbatch is None or config.virtual_stages is None:
-        return _choose(workload, config, cluster, stage_layers, constants, memory_constants)
-    return _estimate(workload, config, cluster, stage_layers, constants, memory_constants)
+        return _choose(workload, config, cluster, stage_layers, target, memory_constants)
+    return _estimate(workload, config, cluster, stage_layers, target, memory_constants)
+
+
+def default_target() -> Target:
+    """autopar's own runtime: what ``estimate_step`` prices for when no target is given."""
+    return load_target("autopar")

@@ -14,51 +14,94 @@ from costmodel.workload import Workload
 RECOMPUTE = ("none", "selective", "full")
 
 
+PRECISIONS = ("bf16", "fp8", "fp8-cs", "mxfp8", "nvfp4")
+"""GEMM precisions a plan may train with: bf16; fp8 with per-tensor delayed scaling (``fp8``) or current
+scaling (``fp8-cs``); MX block-scaled fp8 (``mxfp8``, Blackwell); NVFP4 (``nvfp4``, Blackwell)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PrecisionConstants:
+    """How an execution target trains with one GEMM precision (a ``[precision.<name>]`` table of its file)."""
+
+    name: str
+    gemm_dtype: str
+    """The tensor-core rate the quantized linears run at (``profiles/accelerators.toml`` peak key: bf16,
+    fp8, fp4); attention, the router and the LM head stay bf16."""
+    cast_bytes_per_element: float = 0.0
+    """Memory traffic per GEMM input element to quantize it (the forward input, the backward output gradient):
+    read bf16, write the quantized copies and scales."""
+    weight_bytes_per_param: float = 0.0
+    """Bytes per parameter of the quantized weight copies (and their scales) kept beside the model states."""
+    param_gather_bytes: float | None = None
+    """Bytes per parameter the data-parallel parameter all-gather moves when the target gathers quantized
+    weights (None: the target's ``param_gather_bytes``)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StepConstants:
-    """The step model's own constants (one set for every case; see ``benchmarks/fidelity.py`` for how they
-    were set). Memory-bound traffic in bytes per token and hidden (or ffn) element, forward pass, bf16:
+    """How one execution target runs a step: its kernels, overlaps and communication dtypes. Read from
+    ``profiles/targets/<name>.toml`` (``costmodel.targets.Target.constants``; every value with its source there);
+    there is no default set. Memory-bound byte counts are per token and hidden (or ffn) element, forward, bf16.
 
-    - ``elementwise_replicated_bytes`` 22: two LayerNorms (read + write 4 each), two dropout + residual adds
-      (read 2 x 2 + mask, write 2: 7 each): replicated over tp unless sequence parallel.
-    - ``elementwise_ffn_bytes`` 4: bias + GeLU over the ``f / tp`` MLP activations (read 2, write 2).
-    - ``softmax_bytes`` 9 per attention score (unfused attention): scaled-masked softmax read + write 4,
-      dropout read + write 4, mask 1.
-    - ``optimizer_bytes_per_param`` 32: Adam reads and writes fp32 master, momentum, variance (24), reads the
-      gradient and writes the bf16 weight.
-    - ``overlap_slowdown`` 0.5: an overlapped collective still slows the compute it hides behind (NCCL
-      kernels take SMs and HBM bandwidth, and prefetching leaves the first and last gathers exposed; the step
-      is ``max(comm, compute) + k min(comm, compute)``).
-    - ``zero3_flat_nic`` True: ZeRO-3's per-parameter all-gathers / reduce-scatters across nodes run as a flat
-      ring at each GPU's own NIC rate (no rail-parallel hierarchy), as DeepSpeed / FSDP issue them.
-    - ``zero3_passes_recompute`` False: with full recomputation a layer's recomputed forward runs right before
-      its backward, so one parameter all-gather serves both (three passes a micro-batch: gather in forward,
-      gather before recompute + backward, reduce-scatter of the gradients).
-    - ``zero3_collectives_per_layer`` 1: ZeRO-3 gathers and reduces parameters once per layer per pass, as
-      autopar's runtime runs it (FSDP2 ``fully_shard`` on each block), each paying the ring latency
-      ``(n - 1) alpha``. DeepSpeed ZeRO-3 fetches module by module (two LayerNorms, QKV, attention projection,
-      two MLP linears): 6, what ``benchmarks/fidelity.py`` uses for the SC21 DeepSpeed rows.
-    - ``tp_fused_input_projections`` False: the backward all-reduces the input gradient of each
-      column-parallel projection separately (q, k, v, and the MLP's up or gate + up: DTensor's
-      ``ColwiseParallel`` on separate modules, as autopar's runtime applies it); True: once for attention and
-      once for the MLP (Megatron-LM's fused QKV, what ``benchmarks/fidelity.py`` uses).
+    Kernels:
+
+    - ``sustained_compute``: tensor-core work in a training step against an isolated kernel (clocks under the
+      power limit, SMs shared with communication kernels).
+    - ``tp_fused_input_projections``: the backward reduces the input gradient of the column-parallel
+      projections reading one tensor once (fused QKV / gate+up modules) instead of once per module.
+    - ``fused_memory_bound``: norms, pointwise ops and residual adds run as one fused kernel each (reading
+      their inputs and writing their output once: Transformer Engine, torch.compile), not as the traced eager
+      ops (a traced RMSNorm upcasts to fp32 and moves ~3.5x that).
+    - ``softmax_bytes`` per attention score of unfused attention (scaled-masked softmax + dropout).
+    - ``elementwise_replicated_bytes`` / ``elementwise_ffn_bytes``: norms, dropout, residuals / bias + activation
+      (the closed-form oracle; a traced block has its own ops).
+    - ``optimizer_bytes_per_param``: Adam's memory traffic per parameter.
+
+    Overlaps:
+
+    - ``overlap_slowdown`` k: an overlapped collective still slows the compute it hides behind; the exposed time
+      is ``max(0, comm - window) + k min(comm, window)``.
+    - ``overlap_param_gather``: the data-parallel parameter all-gather (ZeRO-1/2) overlaps the next forward, so
+      a rank's window is its whole micro-batch (forward + backward) rather than its backward.
+    - ``tp_comm_exposed``: fraction of a sequence-parallel tp all-gather / reduce-scatter left on the critical
+      path (1: none hidden; GEMM-collective overlap hides the rest).
+    - ``last_bucket_bytes``: gradient bucket reduced after the backward ends, never overlapped.
+    - ``zero3_flat_nic``: ZeRO-3 collectives across nodes run as one flat ring at each GPU's NIC rate.
+    - ``zero3_passes_recompute``: a recomputed layer gathers its parameters again (four passes, not three).
+    - ``zero3_collectives_per_layer``: parameter gathers / gradient reductions per layer and pass, each paying
+      the ring latency.
+
+    Communication: ``grad_reduce_bytes`` per gradient element of the data-parallel reduction,
+    ``param_gather_bytes`` per parameter of the parameter all-gather (None: the workload's bytes per element,
+    the dtype the parameters train in). ``precisions``: the GEMM precisions the
+    target runs (``PrecisionConstants``).
     """
 
-    elementwise_replicated_bytes: float = 22.0
-    elementwise_ffn_bytes: float = 4.0
-    softmax_bytes: float = 9.0
-    optimizer_bytes_per_param: float = 32.0
-    overlap_slowdown: float = 0.5
-    zero3_flat_nic: bool = True
-    zero3_passes_recompute: bool = False
-    zero3_collectives_per_layer: int = 1
-    tp_fused_input_projections: bool = False
-    sustained_compute: float = 0.85
-    last_bucket_bytes: float = 25e6
-    """Gradient bucket reduced after the backward ends (PyTorch DDP's default bucket): never overlapped."""
+    sustained_compute: float
+    tp_fused_input_projections: bool
+    fused_memory_bound: bool
+    softmax_bytes: float
+    elementwise_replicated_bytes: float
+    elementwise_ffn_bytes: float
+    optimizer_bytes_per_param: float
+    overlap_slowdown: float
+    overlap_param_gather: bool
+    tp_comm_exposed: float
+    last_bucket_bytes: float
+    zero3_flat_nic: bool
+    zero3_passes_recompute: bool
+    zero3_collectives_per_layer: int
+    grad_reduce_bytes: float | None
+    param_gather_bytes: float | None
+    precisions: tuple[PrecisionConstants, ...] = ()
 
-
-DEFAULT_STEP_CONSTANTS = StepConstants()
+    def precision(self, name: str) -> PrecisionConstants:
+        """The target's constants for GEMM precision ``name``; ConfigError when the target does not run it."""
+        for p in self.precisions:
+            if p.name == name:
+                return p
+        raise ConfigError(f"precision={name!r} is not run by this target; it runs "
+                          f"{', '.join(p.name for p in self.precisions) or 'none'}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -89,6 +132,8 @@ class ParallelConfig:
     overlap_grad_reduce: bool = True
     """Data-parallel gradient reduction overlapped with the backward (torch DDP / FSDP); False: after it
     (Megatron-LM 2021 ``local`` DDP)."""
+    precision: str = "bf16"
+    """GEMM precision of the linears (``PRECISIONS``)."""
 
     @property
     def devices(self) -> int:
@@ -104,7 +149,8 @@ class ParallelConfig:
         v = f" v={self.virtual_stages}" if self.virtual_stages != 1 else ""
         extra = "".join(f" {k}={getattr(self, k)}" for k in ("cp", "ep") if getattr(self, k) != 1)
         return (f"tp={self.tp} pp={self.pp} dp={self.dp}{extra} mb={self.microbatch} {self.schedule}{v} "
-                f"recompute={self.recompute}{' sp' if self.sequence_parallel else ''} zero={self.zero_stage}")
+                f"recompute={self.recompute}{' sp' if self.sequence_parallel else ''} zero={self.zero_stage}"
+                + (f" {self.precision}" if self.precision != "bf16" else ""))
 
 
 def _divisors(n: int) -> list[int]:
@@ -130,6 +176,8 @@ def _positive(cfg: ParallelConfig) -> None:
         raise ConfigError(f"recompute={cfg.recompute!r} is unknown; choose one of {RECOMPUTE}")
     if cfg.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"zero_stage={cfg.zero_stage!r} must be 0, 1, 2 or 3")
+    if cfg.precision not in PRECISIONS:
+        raise ConfigError(f"precision={cfg.precision!r} is unknown; choose one of {PRECISIONS}")
 
 
 def _check_model(cfg: ParallelConfig, w: Workload) -> None:

@@ -1,10 +1,17 @@
-"""Execution targets: what each training framework cannot run and how it lays out model states.
+"""Execution targets: how each training framework runs a step, what it cannot run, how it lays out model states.
 
-One file per target in ``profiles/targets/<name>.toml`` (autopar, megatron, torchtitan, deepspeed), every rule
-and byte count with its source. ``load_target(name)`` reads one into a frozen ``Target``:
+One file per target in ``profiles/targets/<name>.toml`` (autopar, megatron, torchtitan, deepspeed), every
+constant, rule and byte count with its source. ``load_target("name")`` or ``load_target("name:option")`` reads
+one into a frozen ``Target``:
+
+- ``Target.constants``: the step model's ``StepConstants`` ([kernels], [overlap] and [comm] tables, each key
+  ``{ value = .., source = ".." }``) with the GEMM precisions it runs ([precision.<name>] tables); an
+  ``[options.<name>]`` table overrides some of them for a named way of running the target (``megatron:sc21``:
+  Megatron-LM as the SC21 paper ran it). ``estimate_step(..., target=)`` prices with exactly these;
 
 - ``Target.refusals(config, experts=, tied_embeddings=, glu=)``: why the target cannot run a
-  ``ParallelConfig``, one message per rule, each naming the numbers and the fix ([[cannot_run]] tables);
+  ``ParallelConfig``, one message per rule, each naming the numbers and the fix ([[cannot_run]] tables, and a
+  precision without a [precision.<name>] table);
 - ``Target.memory_mode(config, ...)``: the target's sharding mode for that configuration (the first
   ``[memory.<mode>]`` table whose ``when`` holds);
 - ``Target.model_state_bytes(params=, mode=, dp=)``: weights, gradients and optimizer states of ``params``
@@ -17,6 +24,7 @@ process (an ``lru_cache`` of immutable results, as ``costmodel.profiles`` does).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 import tomllib
@@ -24,9 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from costmodel.errors import ProfileError
+from costmodel.errors import ConfigError, ProfileError
 from costmodel.profiles import PROFILES_DIR
-from costmodel.step_config import ParallelConfig
+from costmodel.step_config import PRECISIONS, ParallelConfig, PrecisionConstants, StepConstants
 
 TARGETS_DIR = PROFILES_DIR / "targets"
 TARGET_NAMES = ("autopar", "megatron", "torchtitan", "deepspeed")
@@ -36,8 +44,23 @@ STATE_TERMS = ("weights", "gradients", "optimizer")
 FACTS: dict[str, type] = {
     "tp": int, "pp": int, "dp": int, "cp": int, "ep": int, "zero_stage": int, "virtual_stages": int,
     "microbatch": int, "experts": int, "schedule": str, "recompute": str, "sequence_parallel": bool,
-    "moe": bool, "tied_embeddings": bool, "glu": bool,
+    "moe": bool, "tied_embeddings": bool, "glu": bool, "precision": str,
 }
+# Constant tables and the StepConstants fields each holds, with their types.
+CONSTANT_TABLES: dict[str, dict[str, type]] = {
+    "kernels": {"sustained_compute": float, "tp_fused_input_projections": bool, "fused_memory_bound": bool,
+                "softmax_bytes": float,
+                "elementwise_replicated_bytes": float, "elementwise_ffn_bytes": float,
+                "optimizer_bytes_per_param": float},
+    "overlap": {"overlap_slowdown": float, "overlap_param_gather": bool, "tp_comm_exposed": float,
+                "last_bucket_bytes": float, "zero3_flat_nic": bool, "zero3_passes_recompute": bool,
+                "zero3_collectives_per_layer": int},
+    "comm": {"grad_reduce_bytes": float, "param_gather_bytes": float},
+}
+_CONSTANT_TYPES = {k: t for table in CONSTANT_TABLES.values() for k, t in table.items()}
+_PRECISION_KEYS = ("gemm_dtype", "cast_bytes_per_element", "weight_bytes_per_param", "param_gather_bytes",
+                   "megatron_args", "source")
+GEMM_DTYPES = ("bf16", "fp8", "fp4")
 _COMPARE: dict[str, Callable[[int, int], bool]] = {
     ">=": operator.ge, "<=": operator.le, "!=": operator.ne, ">": operator.gt, "<": operator.lt,
 }
@@ -52,7 +75,7 @@ def config_facts(config: ParallelConfig, *, experts: int = 0, tied_embeddings: b
         "zero_stage": config.zero_stage, "virtual_stages": config.virtual_stages or 1,
         "microbatch": config.microbatch or 0, "schedule": config.schedule, "recompute": config.recompute,
         "sequence_parallel": config.sequence_parallel, "experts": experts, "moe": experts > 0,
-        "tied_embeddings": tied_embeddings, "glu": glu,
+        "tied_embeddings": tied_embeddings, "glu": glu, "precision": config.precision,
     }
 
 
@@ -113,6 +136,10 @@ class MemoryMode:
     def bytes_per_param(self, dp: int) -> float:
         return sum(getattr(self, t).bytes_per_param(dp) for t in STATE_TERMS)
 
+    def term_bytes_per_param(self, dp: int) -> dict[str, float]:
+        """Bytes per parameter of each term (weights, gradients, optimizer) over a data-parallel degree ``dp``."""
+        return {t: getattr(self, t).bytes_per_param(dp) for t in STATE_TERMS}
+
     def formula(self) -> str:
         """``6 + 12/d`` style: the replicated and the sharded bytes per parameter summed over the terms."""
         rep = sum(getattr(self, t).replicated for t in STATE_TERMS)
@@ -122,20 +149,57 @@ class MemoryMode:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Option:
+    """A named way of running the target (``[options.<name>]``): constants that differ from the file's."""
+
+    name: str
+    description: str
+    source: str
+    constants: tuple[tuple[str, Any], ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Target:
-    """An execution target read from ``profiles/targets/<name>.toml``."""
+    """An execution target read from ``profiles/targets/<name>.toml`` (with ``options`` applied)."""
 
     name: str
     framework: str
     source: str
     cannot_run: tuple[Rule, ...]
     modes: tuple[MemoryMode, ...]
+    constants: StepConstants
+    """What the step model prices with (kernels, overlaps, communication dtypes, precisions)."""
+    sources: tuple[tuple[str, str], ...] = ()
+    """(constant or ``precision.<name>``, source) for every constant in ``constants``."""
+    options: tuple[Option, ...] = ()
+    """The options the file offers."""
+    applied: tuple[str, ...] = ()
+    """The options applied to ``constants``."""
+    precision_args: tuple[tuple[str, str], ...] = ()
+    """(precision, Megatron-LM arguments that select it) for the export."""
+
+    @property
+    def spec(self) -> str:
+        """``name`` or ``name:option``: what ``load_target`` reads back into this target."""
+        return ":".join((self.name, *self.applied))
+
+    @property
+    def precisions(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.constants.precisions)
+
+    def source_of(self, key: str) -> str:
+        return dict(self.sources).get(key, "")
 
     def refusals(self, config: ParallelConfig, *, experts: int = 0, tied_embeddings: bool = False,
                  glu: bool = True) -> list[str]:
         """Why this target cannot run ``config`` (empty: it can), each naming the numbers and the fix."""
         facts = config_facts(config, experts=experts, tied_embeddings=tied_embeddings, glu=glu)
-        return [r.text(facts) for r in self.cannot_run if r.applies(facts)]
+        out = [r.text(facts) for r in self.cannot_run if r.applies(facts)]
+        if config.precision not in self.precisions:
+            out.append(f"{self.framework} has no {config.precision} training in its constants file (it trains "
+                       f"with {', '.join(self.precisions)}): re-plan with --precision "
+                       f"{' or '.join(self.precisions)}")
+        return out
 
     def memory_mode(self, config: ParallelConfig, *, experts: int = 0, tied_embeddings: bool = False,
                     glu: bool = True) -> MemoryMode:
@@ -164,15 +228,56 @@ class Target:
         m = self.mode(mode)
         return {t: params * getattr(m, t).bytes_per_param(dp) for t in STATE_TERMS}
 
+    def precisions_on(self, cluster: Any) -> tuple[str, ...]:
+        """The precisions this target trains with whose GEMM rate every accelerator of ``cluster`` has."""
+        gpus = [g.node.gpu for g in cluster.groups]
+        return tuple(p.name for p in self.constants.precisions if all(_has_rate(gpu, p.gemm_dtype) for gpu in gpus))
 
-def load_target(name: str, *, directory: str | Path | None = None) -> Target:
-    """Read ``<directory or profiles/targets>/<name>.toml``; ProfileError naming the file and key if malformed."""
+    def check_precision(self, precision: str, cluster: Any) -> None:
+        """ConfigError unless the target trains with ``precision`` and every accelerator of ``cluster`` has its
+        GEMM rate, naming what would run instead."""
+        if precision not in self.precisions:
+            raise ConfigError(f"target {self.spec} has no {precision} training; it trains with "
+                              f"{', '.join(self.precisions)}: choose --precision {' or '.join(self.precisions)}")
+        if precision not in self.precisions_on(cluster):
+            gemm = self.constants.precision(precision).gemm_dtype
+            gpus = sorted({g.node.gpu.name for g in cluster.groups if not _has_rate(g.node.gpu, gemm)})
+            raise ConfigError(f"precision {precision} needs {gemm} tensor cores, which {', '.join(gpus)} lack; "
+                              f"on this cluster choose --precision {' or '.join(self.precisions_on(cluster))}")
+
+    def with_options(self, *names: str) -> "Target":
+        """This target with ``names`` applied in order (ProfileError naming the options there are)."""
+        known = {o.name: o for o in self.options}
+        constants, applied = self.constants, list(self.applied)
+        for n in names:
+            if n not in known:
+                raise ProfileError(f"target {self.name} has no option {n!r}; options: "
+                                   f"{', '.join(known) or 'none'}")
+            constants = dataclasses.replace(constants, **dict(known[n].constants))
+            applied.append(n)
+        return dataclasses.replace(self, constants=constants, applied=tuple(applied))
+
+
+def _has_rate(gpu: Any, dtype: str) -> bool:
+    """Whether the accelerator runs ``dtype`` GEMMs (bf16 falls back to fp16 / fp32 as ``Accelerator.tflops``
+    does; fp8 and fp4 need their own tensor cores)."""
+    try:
+        return gpu.tflops(dtype) > 0
+    except ProfileError:
+        return False
+
+
+def load_target(spec: str, *, directory: str | Path | None = None) -> Target:
+    """Read ``<directory or profiles/targets>/<name>.toml`` for ``spec`` = ``name`` or ``name:option[:option]``
+    (options applied in order); ProfileError naming the file and key if malformed."""
+    name, *options = str(spec).split(":")
     root = Path(directory) if directory else TARGETS_DIR
     path = root / f"{name}.toml"
     if not path.is_file():
         known = sorted(p.stem for p in root.glob("*.toml")) if root.is_dir() else []
         raise ProfileError(f"unknown execution target {name!r}: no {path}; known targets: {', '.join(known)}")
-    return _load(str(path))
+    target = _load(str(path))
+    return target.with_options(*options) if options else target
 
 
 @functools.lru_cache(maxsize=16)
@@ -182,20 +287,103 @@ def _load(path: str) -> Target:
             data = tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
         raise ProfileError(f"{path}: invalid TOML: {e}") from None
-    # other top-level sections (kernel efficiencies, overlaps) are read by their own readers
+    _check_keys(data, ("name", "framework", "source", "cannot_run", "memory", "precision", "options",
+                       *CONSTANT_TABLES), path, "top level")
     rules = data.get("cannot_run", [])
     if not isinstance(rules, list):
         raise ProfileError(f"{path}: cannot_run must be an array of tables ([[cannot_run]])")
     memory = data.get("memory", {})
     if not isinstance(memory, dict) or not memory:
         raise ProfileError(f"{path}: needs at least one [memory.<mode>] table")
+    cannot_run = tuple(_rule(r, path, f"cannot_run[{i}]") for i, r in enumerate(rules))
+    modes = tuple(_mode(n, m, path) for n, m in memory.items())
+    values, sources = _constants(data, path)
+    precisions, args = _precisions(data.get("precision"), path, sources)
     return Target(
         name=_string(data, "name", path, "top level"),
         framework=_string(data, "framework", path, "top level"),
         source=_string(data, "source", path, "top level"),
-        cannot_run=tuple(_rule(r, path, f"cannot_run[{i}]") for i, r in enumerate(rules)),
-        modes=tuple(_mode(n, m, path) for n, m in memory.items()),
+        cannot_run=cannot_run, modes=modes,
+        constants=StepConstants(**values, precisions=precisions),
+        sources=tuple(sources.items()), precision_args=args,
+        options=tuple(_option(n, o, path) for n, o in (data.get("options") or {}).items()),
     )
+
+
+def _constant(value: Any, kind: type, path: str, where: str) -> Any:
+    if value == "model" and where.startswith("comm."):
+        return None  # the workload's own bytes per element (the dtype the parameters train in)
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    else:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+    if not ok:
+        raise ProfileError(f"{path}: [{where}] = {value!r} must be {'a number >= 0' if kind is float else kind.__name__}")
+    return float(value) if kind is float else value
+
+
+def _constants(data: dict, path: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """Every StepConstants field from the [kernels] / [overlap] / [comm] tables, with its source."""
+    values, sources = {}, {}
+    for table, fields in CONSTANT_TABLES.items():
+        got = data.get(table)
+        if not isinstance(got, dict):
+            raise ProfileError(f"{path}: needs a [{table}] table with {', '.join(fields)}")
+        _check_keys(got, tuple(fields), path, table)
+        for key, kind in fields.items():
+            entry = got.get(key)
+            where = f"{table}.{key}"
+            if not isinstance(entry, dict):
+                raise ProfileError(f"{path}: [{where}] missing; write {key} = {{ value = .., source = \"..\" }}")
+            _check_keys(entry, ("value", "source"), path, where)
+            values[key] = _constant(entry.get("value"), kind, path, where)
+            sources[key] = _string(entry, "source", path, where)
+    return values, sources
+
+
+def _precisions(data: Any, path: str, sources: dict[str, str]
+                ) -> tuple[tuple[PrecisionConstants, ...], tuple[tuple[str, str], ...]]:
+    if not isinstance(data, dict) or "bf16" not in data:
+        raise ProfileError(f"{path}: needs [precision.<name>] tables, at least [precision.bf16]")
+    out, args = [], []
+    for name, entry in data.items():
+        where = f"precision.{name}"
+        if name not in PRECISIONS:
+            raise ProfileError(f"{path}: [{where}] unknown precision {name!r}; precisions: {', '.join(PRECISIONS)}")
+        if not isinstance(entry, dict):
+            raise ProfileError(f"{path}: [{where}] must be a table")
+        _check_keys(entry, _PRECISION_KEYS, path, where)
+        gemm = _string(entry, "gemm_dtype", path, where)
+        if gemm not in GEMM_DTYPES:
+            raise ProfileError(f"{path}: [{where}] gemm_dtype = {gemm!r}; choose one of {', '.join(GEMM_DTYPES)}")
+        nums = {k: _constant(entry.get(k, 0.0), float, path, f"{where}.{k}")
+                for k in ("cast_bytes_per_element", "weight_bytes_per_param")}
+        gather = entry.get("param_gather_bytes")
+        out.append(PrecisionConstants(
+            name=name, gemm_dtype=gemm, **nums,
+            param_gather_bytes=None if gather is None else _constant(gather, float, path, f"{where}.param_gather_bytes")))
+        sources[where] = _string(entry, "source", path, where)
+        if "megatron_args" in entry:
+            args.append((name, _string(entry, "megatron_args", path, where) if entry["megatron_args"] else ""))
+    return tuple(out), tuple(args)
+
+
+def _option(name: str, data: Any, path: str) -> Option:
+    where = f"options.{name}"
+    if not isinstance(data, dict):
+        raise ProfileError(f"{path}: [{where}] must be a table")
+    _check_keys(data, ("description", "source", "constants"), path, where)
+    consts = data.get("constants")
+    if not isinstance(consts, dict) or not consts:
+        raise ProfileError(f"{path}: [{where}] needs constants = {{ name = value, ... }}")
+    for key, value in consts.items():
+        if key not in _CONSTANT_TYPES:
+            raise ProfileError(f"{path}: [{where}] unknown constant {key!r}; constants: {', '.join(_CONSTANT_TYPES)}")
+        consts[key] = _constant(value, _CONSTANT_TYPES[key], path, f"{where}.{key}")
+    return Option(name=name, description=_string(data, "description", path, where),
+                  source=_string(data, "source", path, where), constants=tuple(consts.items()))
 
 
 def _rule(data: Any, path: str, where: str) -> Rule:

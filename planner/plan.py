@@ -195,6 +195,12 @@ class Plan:
     sequence_parallel: bool = False
     schedule: ScheduleSpec
     global_batch: int
+    precision: str = "bf16"
+    """GEMM precision of the linears (``costmodel.step_config.PRECISIONS``: bf16, fp8, fp8-cs, mxfp8, nvfp4), as
+    the target's ``[precision.<name>]`` table prices it."""
+    target: str = "autopar"
+    """The execution target the plan was priced for (``costmodel.targets.load_target`` spec, e.g. ``megatron``):
+    its constants, refusals and memory layout; ``autopar export --to X`` exports plans made for X."""
     prediction: Prediction
     solver: SolverStats = field(default_factory=SolverStats)
     alternatives: tuple[Alternative, ...] = ()

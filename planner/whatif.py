@@ -273,12 +273,12 @@ def _model_id(model: Any) -> str:
 
 
 def case_key(*, model: Any, cluster: Any, global_batch: int, seq: int | None, time_limit_s: float | None,
-             code: str) -> str:
+             code: str, target: str = "autopar", precision: str = "bf16") -> str:
     """Hash of everything that decides a case's outcome."""
     model_id = _model_id(model)
     blob = json.dumps(
         {"model": model_id, "cluster": repr(cluster), "global_batch": global_batch, "seq": seq,
-         "time_limit_s": time_limit_s, "code": code},
+         "time_limit_s": time_limit_s, "code": code, "target": target, "precision": precision},
         sort_keys=True,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
@@ -307,19 +307,23 @@ def _write_cache(cache_dir: Path | None, key: str, outcome: Outcome) -> None:
 
 
 def _default_plan_fn(model: Any, cluster: Any, *, global_batch: int, seq: int | None,
-                     time_limit_s: float | None) -> Plan:
+                     time_limit_s: float | None, **target: str) -> Plan:
     from planner.search.driver import plan_model
 
-    return plan_model(model, cluster, global_batch=global_batch, seq=seq, time_limit_s=time_limit_s)
+    return plan_model(model, cluster, global_batch=global_batch, seq=seq, time_limit_s=time_limit_s, **target)
 
 
 def plan_case(*, model: Any, cluster: Any, global_batch: int, seq: int | None = None,
-              time_limit_s: float | None = None, plan_fn: Callable[..., Plan] | None = None) -> Outcome:
-    """Plan one cluster; an infeasible request becomes an ``infeasible`` outcome, other autopar errors ``error``."""
+              time_limit_s: float | None = None, plan_fn: Callable[..., Plan] | None = None,
+              target: str = "autopar", precision: str = "bf16") -> Outcome:
+    """Plan one cluster; an infeasible request becomes an ``infeasible`` outcome, other autopar errors ``error``.
+    ``target`` / ``precision`` go to ``plan_model`` (a ``plan_fn`` gets them only when they are not the defaults)."""
     fn = plan_fn or _default_plan_fn
+    extra = {k: v for k, v in (("target", target), ("precision", precision))
+             if plan_fn is None or v != {"target": "autopar", "precision": "bf16"}[k]}
     t0 = time.perf_counter()
     try:
-        plan = fn(model, cluster, global_batch=global_batch, seq=seq, time_limit_s=time_limit_s)
+        plan = fn(model, cluster, global_batch=global_batch, seq=seq, time_limit_s=time_limit_s, **extra)
     except InfeasiblePlanError as e:
         return Outcome(status=STATUS_INFEASIBLE, message=str(e), memory_gb_needed=_needed_memory_gb(e),
                        plan_time_s=time.perf_counter() - t0)
@@ -376,6 +380,8 @@ def run_whatif(
     plan_fn: Callable[..., Plan] | None = None,
     share_trace: bool = True,
     on_result: Callable[[int, int, dict[str, Any]], None] | None = None,
+    target: str = "autopar",
+    precision: str = "bf16",
 ) -> WhatIfResult:
     """Plan ``model`` (a spec, or a ``(Workload, ModelInfo)`` pair as ``plan_model`` takes) on every case; rows
     in case order. Ctrl-C (KeyboardInterrupt) keeps finished rows.
@@ -383,6 +389,7 @@ def run_whatif(
     ``plan_fn(model, cluster, *, global_batch, seq, time_limit_s) -> Plan`` replaces the planner (a
     module-level function when ``jobs > 1``); ``on_result(done, total, row)`` is called as each case finishes.
     ``share_trace``: trace the model once in this process and fork the workers from it (warm trace cache).
+    ``target`` / ``precision``: priced for that execution target at that GEMM precision (``plan_model``).
     """
     if not cases:
         raise ConfigError("no clusters to compare: give --cluster NAME|FILE or --sweep AXIS=V1,V2")
@@ -391,7 +398,7 @@ def run_whatif(
     t0 = time.perf_counter()
     code = code_fingerprint()
     keys = [case_key(model=model, cluster=c.cluster, global_batch=global_batch, seq=seq,
-                     time_limit_s=time_limit_s, code=code) for c in cases]
+                     time_limit_s=time_limit_s, code=code, target=target, precision=precision) for c in cases]
     outcomes: dict[int, Outcome] = {}
     rows: dict[int, dict[str, Any]] = {}
 
@@ -414,7 +421,8 @@ def run_whatif(
             warm = share_trace and plan_fn is None and _warm_trace(model, seq)
             tasks = [{"index": i, "key": keys[i], "cache_dir": cache_dir,
                       "kwargs": {"model": model, "cluster": cases[i].cluster, "global_batch": global_batch,
-                                 "seq": seq, "time_limit_s": time_limit_s, "plan_fn": plan_fn}} for i in todo]
+                                 "seq": seq, "time_limit_s": time_limit_s, "plan_fn": plan_fn, "target": target,
+                                 "precision": precision}} for i in todo]
             _run_tasks(tasks, jobs=min(jobs, len(tasks)), finish=finish, fork=warm)
     except KeyboardInterrupt:
         interrupted = True

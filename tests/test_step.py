@@ -8,8 +8,10 @@ from costmodel.analytic import gpt_workload, llama_workload, sc21_model_flops
 from costmodel.errors import ConfigError
 from costmodel.profiles import make_cluster
 from costmodel.comm import DEFAULT_EFFICIENCY
-from costmodel.step_config import DEFAULT_STEP_CONSTANTS
 from costmodel.step import ParallelConfig, estimate_step, even_stage_layers
+from costmodel.targets import load_target
+
+AUTOPAR = load_target("autopar").constants
 
 
 @pytest.fixture(scope="module")
@@ -106,17 +108,23 @@ def test_recompute_layers_errors(gpt175, cluster64, rl, match):
 
 
 def test_zero_stages_shrink_model_states(cluster64):
+    """Model states in the target's layout: DeepSpeed's ZeRO stages (2 + 2 + 12 bytes, SC20), autopar's fp32
+    DDP (4 + 4 + 4 bucket copy + 8)."""
     w = gpt_workload(layers=24, hidden=2048, heads=16)
-    totals = []
-    for z in (0, 1, 2, 3):
+
+    def states(z: int, target: str) -> float:
         est = estimate_step(w, ParallelConfig(tp=1, pp=1, dp=512, microbatch=1, global_batch=512, zero_stage=z),
-                            cluster64)
+                            cluster64, target=load_target(target))
         mb = est.memory_breakdown_gb
-        totals.append(mb["weights"] + mb["gradients"] + mb["optimizer"])
+        return mb["weights"] + mb["gradients"] + mb["optimizer"]
+
+    totals = [states(z, "deepspeed") for z in (0, 1, 2, 3)]
     p = w.params
     assert totals[0] == pytest.approx(16 * p / 1e9)
+    assert totals[1] == pytest.approx((4 + 12 / 512) * p / 1e9)
     assert totals[3] == pytest.approx(16 * p / 512 / 1e9)
     assert totals == sorted(totals, reverse=True)
+    assert states(0, "autopar") == pytest.approx(20 * p / 1e9)
 
 
 def test_pipeline_inflight_sets_activation_memory(gpt175, cluster64):
@@ -153,9 +161,9 @@ def test_chooses_microbatch_and_virtual_stages(gpt175, cluster64):
 def test_does_not_fit(cluster64):
     w = gpt_workload(layers=96, hidden=12288, heads=96)
     est = estimate_step(w, ParallelConfig(tp=1, pp=1, dp=512, microbatch=1, global_batch=512, zero_stage=0),
-                        cluster64)
+                        cluster64, target=load_target("deepspeed"))
     assert not est.fits and est.memory_gb_per_device > 16 * w.params / 1e9 * 0.99
-    assert est.memory.dominant == "optimizer"
+    assert est.memory.dominant == "optimizer"  # fp32 master weights + Adam: 12 of the 16 bytes
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -223,7 +231,7 @@ def test_data_parallel_overlap(cluster64):
     after = estimate_step(w, ParallelConfig(**base, overlap_grad_reduce=False), cluster64)
     exposed = lambda e: sum(v for k, v in e.breakdown_s.items() if k.startswith("comm_"))  # noqa: E731
     # the all-reduce (~0.04 s) hides inside the backward (~0.1 s): only the slowdown share stays exposed
-    assert exposed(over) == pytest.approx(DEFAULT_STEP_CONSTANTS.overlap_slowdown * exposed(after))
+    assert exposed(over) == pytest.approx(AUTOPAR.overlap_slowdown * exposed(after))
     assert exposed(after) > exposed(over) > 0
     assert after.step_time_s - over.step_time_s == pytest.approx(exposed(after) - exposed(over))
 
@@ -238,12 +246,12 @@ def test_zero3_traffic_by_hand(per_layer):
     from costmodel.step import _dp_comm, ByIdentity
 
     cluster = make_cluster("dgx-a100-80gb", 2)
-    k = dataclasses.replace(DEFAULT_STEP_CONSTANTS, zero3_collectives_per_layer=per_layer)
+    k = dataclasses.replace(AUTOPAR, zero3_collectives_per_layer=per_layer)
     n, layers, params = 16, 4, 1e9
     units = layers * per_layer + 1
     ring = lambda nbytes: (n - 1) * 5e-6 + (n - 1) / n * nbytes / (25e9 * DEFAULT_EFFICIENCY.infiniband)  # noqa: E731
     expected = 3 * units * ring(params * 2 / units)
-    kind, got = _dp_comm(2, ByIdentity(cluster), params, 0.0, 1, k, dp=n, cp=1, tp=1, ep=1, zero_stage=3,
+    kind, got = _dp_comm((2.0, 2.0), ByIdentity(cluster), params, 0.0, 1, k, dp=n, cp=1, tp=1, ep=1, zero_stage=3,
                          recompute="full", layers=layers)
     assert kind == "infiniband"
     assert got == pytest.approx(expected, rel=1e-9)
@@ -267,7 +275,7 @@ def test_tensor_parallel_backward_counts_the_runtime_all_reduces():
     cases = [(False, False, 2 * ar, 5 * ar), (True, False, 2 * ar, 2 * ar),
              (False, True, 2 * (ag + rs), 5 * ar + 2 * ag), (True, True, 2 * (ag + rs), 2 * (ag + rs))]
     for fused, sp, fwd, bwd in cases:
-        k = dataclasses.replace(DEFAULT_STEP_CONSTANTS, tp_fused_input_projections=fused)
+        k = dataclasses.replace(AUTOPAR, tp_fused_input_projections=fused)
         ctx = LayerCtx(device=cluster.groups[0].node.gpu, cluster=cluster, microbatch=1, tp=8, cp=1,
                        ep=1, sp=sp, recompute="none", flash=True, constants=k)
         t = w.coster(layer, ctx)

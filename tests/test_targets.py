@@ -5,7 +5,7 @@ import pytest
 from costmodel.errors import ProfileError
 from costmodel.memory import model_state_bytes as planner_state_bytes
 from costmodel.step_config import ParallelConfig
-from costmodel.targets import TARGET_NAMES, load_target
+from costmodel.targets import TARGET_NAMES, TARGETS_DIR, load_target
 
 
 def cfg(**kw) -> ParallelConfig:
@@ -133,11 +133,33 @@ def test_bad_target_files_name_the_key(tmp_path):
         "key": (rule.format(when="pp = 2", message="m") + 'why = "?"\n', "unknown key 'why'"),
         "bytes": ('[memory.n]\ndescription = "d"\nsource = "s"\nweights = { replicated = -2 }\n', "must be a number >= 0"),
     }
+    text = (TARGETS_DIR / "autopar.toml").read_text()
+    consts = text[text.index("\n[kernels]\n"):text.index("\n[[cannot_run]]")] + "\n"  # valid constant tables
     for name, (body, error) in cases.items():
-        (tmp_path / f"{name}.toml").write_text(head + body + good_mode)
+        (tmp_path / f"{name}.toml").write_text(head + body + good_mode + consts)
         with pytest.raises(ProfileError, match=error):
             load_target(name, directory=tmp_path)
     with pytest.raises(ProfileError, match="known targets: .*bytes"):
         load_target("nope", directory=tmp_path)
-    (tmp_path / "extra.toml").write_text(head + good_mode + '\n[kernels]\ngemm_efficiency = 0.7\n')
-    assert load_target("extra", directory=tmp_path).modes[0].formula() == "2"  # other sections do not block
+    (tmp_path / "ok.toml").write_text(head + good_mode + consts)
+    assert load_target("ok", directory=tmp_path).modes[0].formula() == "2"
+    bad = {
+        "nokernels": (consts.replace("[kernels]", "[kernel]"), "unknown key 'kernel'"),
+        "unknownconst": (consts.replace("[kernels]\n", "[kernels]\ngemm_efficiency = { value = 0.7, source = 's' }\n"),
+                         "unknown key 'gemm_efficiency'"),
+        "nosource": (consts.replace("sustained_compute = { value = 0.85, source", "sustained_compute = { value = 0.85, why"),
+                     "unknown key 'why'"),
+        "missing": (consts.replace("overlap_slowdown = {", "#overlap_slowdown = {"), "overlap.overlap_slowdown] missing"),
+        "type": (consts.replace("zero3_flat_nic = { value = true", "zero3_flat_nic = { value = 1"), "must be bool"),
+        "precision": (consts + '[precision.fp6]\ngemm_dtype = "fp8"\nsource = "s"\n', "unknown precision 'fp6'"),
+        "gemm": (consts + '[precision.fp8]\ngemm_dtype = "int8"\nsource = "s"\n', "gemm_dtype = 'int8'"),
+        "nobf16": (consts.replace("[precision.bf16]", "[precision.fp8]"), r"at least \[precision.bf16\]"),
+        "option": (consts + '[options.o]\ndescription = "d"\nsource = "s"\nconstants = { speed = 2 }\n',
+                   "unknown constant 'speed'"),
+    }
+    for name, (body, error) in bad.items():
+        (tmp_path / f"{name}.toml").write_text(head + good_mode + body)
+        with pytest.raises(ProfileError, match=error):
+            load_target(name, directory=tmp_path)
+    with pytest.raises(ProfileError, match="has no option 'x'; options: none"):
+        load_target("ok:x", directory=tmp_path)

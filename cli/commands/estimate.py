@@ -7,6 +7,7 @@ import dataclasses
 import json
 import sys
 
+from cli.commands.plan import add_target_arguments
 from costmodel.errors import ConfigError
 
 NAME = "estimate"
@@ -40,6 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-overlap-grad-reduce", action="store_true",
                    help="reduce gradients after the backward instead of overlapping them with it")
     p.add_argument("--profile", default=None, metavar="CALIBRATION", help="calibration file from `autopar calibrate`")
+    add_target_arguments(p, auto=False)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
 
 
@@ -60,7 +62,7 @@ def _config(args: argparse.Namespace, num_devices: int):
         tp=args.tp, pp=args.pp, dp=dp, cp=args.cp, ep=args.ep, microbatch=args.microbatch,
         global_batch=args.global_batch, schedule=args.schedule, virtual_stages=v, recompute=args.recompute,
         sequence_parallel=args.sequence_parallel, zero_stage=args.zero, flash_attention=args.attention == "flash",
-        overlap_grad_reduce=not args.no_overlap_grad_reduce,
+        overlap_grad_reduce=not args.no_overlap_grad_reduce, precision=args.precision,
     )
 
 
@@ -80,9 +82,9 @@ def to_dict(est, *, model: str, cluster) -> dict:
     }
 
 
-def summary(est, *, model: str, cluster) -> str:
+def summary(est, *, model: str, cluster, target: str = "autopar") -> str:
     cfg = est.config
-    lines = [f"{model} on {cluster.name} ({cluster.num_devices} devices): {cfg.summary()}"]
+    lines = [f"{model} on {cluster.name} ({cluster.num_devices} devices), priced for {target}: {cfg.summary()}"]
     if est.chosen:
         lines.append("chosen: " + ", ".join(f"{k}={v}" for k, v in est.chosen.items()))
     lines.append(f"micro-batches per step: {est.num_microbatches}")
@@ -113,16 +115,24 @@ def summary(est, *, model: str, cluster) -> str:
 def run(args: argparse.Namespace) -> int:
     from costmodel.profiles import resolve_cluster
     from costmodel.step import estimate_step
+    from costmodel.targets import load_target
     from planner.workload import workload_from_model
 
     cluster = resolve_cluster(args.cluster, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                               profile_path=args.profile)
     workload, _ = workload_from_model(args.model, seq=args.seq)
-    est = estimate_step(workload, _config(args, cluster.num_devices), cluster)
+    target = load_target(args.target)
+    config = _config(args, cluster.num_devices)
+    refusals = target.refusals(config, experts=workload.experts, tied_embeddings=workload.tied_embeddings,
+                               glu=workload.glu)
+    est = estimate_step(workload, config, cluster, target=target)
     if args.json:
-        print(json.dumps(to_dict(est, model=args.model, cluster=cluster), indent=1))
+        print(json.dumps({**to_dict(est, model=args.model, cluster=cluster), "target": target.spec,
+                          "refusals": refusals}, indent=1))
     else:
-        print(summary(est, model=args.model, cluster=cluster))
+        print(summary(est, model=args.model, cluster=cluster, target=target.spec))
+    for r in refusals:
+        print(f"autopar estimate: {target.spec} cannot run this configuration: {r}", file=sys.stderr)
     if not est.fits:
         print(f"autopar estimate: the configuration needs {est.memory_gb_per_device:.1f} GB per device, more than "
               f"the {est.memory_limit_gb:.0f} GB it has", file=sys.stderr)

@@ -25,10 +25,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fix", default=None, metavar="K=V,...",
                    help="pin choices: tp, pp, dp, cp, ep, mb, schedule, v, recompute, zero, sp (e.g. tp=8,pp=4)")
     p.add_argument("--profile", default=None, metavar="CALIBRATION", help="calibration file from `autopar calibrate`")
+    add_target_arguments(p, auto=True)
     p.add_argument("--out", type=Path, default=None, help="write the plan JSON here")
     p.add_argument("--json", action="store_true", help="print the plan JSON on stdout instead of the summary")
     p.add_argument("--reproducible", action="store_true",
                    help="leave wall-clock phase times out of the plan (equal inputs give byte-identical files)")
+
+
+def add_target_arguments(p: argparse.ArgumentParser, *, auto: bool) -> None:
+    """``--target`` and ``--precision``, shared by plan, estimate and whatif."""
+    from costmodel.step_config import PRECISIONS
+    from costmodel.targets import TARGET_NAMES
+
+    p.add_argument("--target", default="autopar", metavar="NAME[:OPTION]",
+                   help=f"execution target whose kernels, overlaps, memory layout and refusals price the plan: "
+                        f"{', '.join(TARGET_NAMES)} (profiles/targets/NAME.toml; an option such as megatron:sc21 "
+                        "applies a named set of its constants; default autopar)")
+    choices = PRECISIONS + (("auto",) if auto else ())
+    p.add_argument("--precision", default="bf16", choices=choices,
+                   help="GEMM precision of the linears (default bf16)"
+                        + ("; auto: search every precision the target runs on these accelerators" if auto else ""))
 
 
 class _Progress:
@@ -57,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"autopar plan: {args.model} on {cluster.name} ({cluster.num_devices} devices)", file=sys.stderr)
     plan = plan_model(args.model, cluster, global_batch=args.global_batch, seq=args.seq,
                       time_limit_s=args.time_limit, fix=args.fix, progress=_Progress(sys.stderr),
-                      record_timings=not args.reproducible)
+                      record_timings=not args.reproducible, target=args.target, precision=args.precision)
     if args.out is not None:
         save_plan(plan, args.out)
     if args.json:
@@ -86,6 +102,7 @@ def summary(plan) -> str:
         f"model       {plan.model.name}: {plan.model.params / 1e9:.2f}B parameters, {plan.model.num_layers} layers, "
         f"seq {plan.model.seq_len}",
         f"cluster     {plan.cluster.name}: {plan.cluster.num_devices} x {plan.cluster.gpu}",
+        f"target      {plan.target}, precision {plan.precision}",
         f"degrees     tp={d.tp} pp={d.pp} dp={d.dp}{extra}; {knobs}",
         f"schedule    {sched}, micro-batch {s.microbatch_size} x {s.num_microbatches} per dp rank, "
         f"global batch {plan.global_batch}; modules per stage {'/'.join(map(str, cuts))}",

@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from cli.commands.plan import add_target_arguments
 from costmodel.errors import ConfigError
 
 NAME = "whatif"
@@ -45,6 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", type=Path, default=None, metavar="DIR", help="write PNG charts into DIR")
     p.add_argument("--jobs", type=int, default=None, help="worker processes (default: CPU count)")
     p.add_argument("--time-limit", type=float, default=None, metavar="S", help="planning time limit per cluster (s)")
+    add_target_arguments(p, auto=True)
     p.add_argument("--cache-dir", type=Path, default=None, help="outcome cache (default ~/.cache/autopar/whatif)")
     p.add_argument("--no-cache", action="store_true", help="plan every cluster again, write nothing to the cache")
 
@@ -92,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
     jobs = args.jobs or min(len(cases), os.cpu_count() or 1)
     cache = None if args.no_cache else (args.cache_dir or default_cache_dir())
     result = run_whatif(args.model, cases, global_batch=args.global_batch, seq=args.seq, tokens=args.tokens,
-                        time_limit_s=args.time_limit, jobs=jobs, cache_dir=cache, on_result=_Progress(sys.stderr))
+                        time_limit_s=args.time_limit, jobs=jobs, cache_dir=cache, on_result=_Progress(sys.stderr),
+                        target=args.target, precision=args.precision)
     table = result.table
     if args.csv:
         table.to_csv(args.csv, index=False)

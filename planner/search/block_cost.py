@@ -25,6 +25,15 @@ log = logging.getLogger(__name__)
 _DTYPES = {2: "bf16", 4: "fp32"}
 
 
+def cost_options(ctx: LayerCtx) -> CostOptions:
+    """How the target in ``ctx.constants`` runs this context's kernels at its precision ``ctx.precision``."""
+    k = ctx.constants
+    p = k.precision(ctx.precision)
+    return CostOptions(sustained_compute=k.sustained_compute, fused_input_projections=k.tp_fused_input_projections,
+                       flash=ctx.flash, softmax_bytes=k.softmax_bytes, fused_memory_bound=k.fused_memory_bound,
+                       gemm_dtype=p.gemm_dtype, cast_bytes=p.cast_bytes_per_element, tp_comm_exposed=k.tp_comm_exposed)
+
+
 class GraphCoster:
     """``BlockCoster`` over a traced graph (see the module docstring). One per traced model; it holds the
     memo of solved blocks, so the step model's own memo (by identity) stays valid."""
@@ -51,9 +60,7 @@ class GraphCoster:
 
     def strategy(self, layer: LayerWork, ctx: LayerCtx) -> BlockStrategy:
         """The block's solved sharding in ``ctx`` (memoized): what ``__call__`` prices."""
-        k = ctx.constants
-        cost = CostOptions(sustained_compute=k.sustained_compute, fused_input_projections=k.tp_fused_input_projections,
-                           flash=ctx.flash, softmax_bytes=k.softmax_bytes)
+        cost = cost_options(ctx)
         block = self.block_of(layer)
         key = (block.signature, ctx.microbatch)
         if key not in self._ops:

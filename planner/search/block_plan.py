@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 from costmodel.errors import ConfigError, InfeasiblePlanError
 from planner.plan import ModuleSharding
 from planner.search import intra_op
+from planner.search.block_ops import DTYPE_BYTES
 from planner.search.strategies import (
     Collective,
     LayerOp,
@@ -38,6 +39,10 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 PHASES = ("forward", "backward", "recompute")
+_FUSABLE = ("norm", "pointwise", "add")
+"""Memory-bound ops a fusing target runs as one kernel each (``CostOptions.fused_memory_bound``)."""
+_QUANTIZED = ("linear", "experts")
+"""Ops whose GEMMs run at the plan's precision; attention, the router and the LM head stay bf16."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -345,8 +350,14 @@ def mesh_groups(mesh: MeshShape) -> dict[str, tuple[int, int]]:
 def cluster_cost_context(cluster, *, mesh: MeshShape, device=None, dtype: str = "bf16", first_rank: int = 0,
                          sustained_compute: float = 1.0, fused_input_projections: bool = False, flash: bool = True,
                          causal_fraction: float = 1.0, attention_shape: tuple[int, int, int] | None = None,
-                         softmax_bytes: float = 9.0) -> CostContext:
+                         softmax_bytes: float = 9.0, cost: "CostOptions | None" = None) -> CostContext:
     """Time ops with ``costmodel.compute.op_time_s`` and collectives with ``costmodel.comm`` on ``cluster``.
+
+    ``cost`` (the target's ``CostOptions``) adds: linears and experts at ``gemm_dtype`` (fp8 / fp4 peak) plus
+    ``cast_bytes`` of memory traffic per quantized GEMM input element (the forward input, the backward output
+    gradient); norms, pointwise ops and residual adds as fused kernels reading their inputs and writing their
+    output once (``fused_memory_bound``); sequence-parallel tp all-gathers / reduce-scatters at
+    ``tp_comm_exposed`` of their time (GEMM-collective overlap).
 
     Matmuls and attention run at ``sustained_compute`` of the kernel rate (a training step's clocks and SMs
     shared with NCCL: ``costmodel.step_config.StepConstants``). Flash attention computes ``causal_fraction`` of
@@ -359,7 +370,16 @@ def cluster_cost_context(cluster, *, mesh: MeshShape, device=None, dtype: str = 
     calibration = getattr(cluster, "calibration", None)
     groups = {axis: comm.Group(size=size, stride=stride) for axis, (size, stride) in mesh_groups(mesh).items()}
 
+    opts = cost or CostOptions()
+    if opts.gemm_dtype != "bf16" and not gpu.peak_tflops.get(opts.gemm_dtype):
+        raise ConfigError(f"{opts.gemm_dtype} GEMMs need {opts.gemm_dtype} tensor cores; {gpu.name} has "
+                          f"{', '.join(sorted(gpu.peak_tflops))}: plan with --precision bf16")
+
     def op_time(op: LayerOp, s: OpStrategy, flops: float, nbytes: float) -> float:
+        if opts.fused_memory_bound and op.kind in _FUSABLE and op.bytes_fwd > 0:
+            nbytes *= min(1.0, (len(op.inputs) + 1) * op.out_bytes / op.bytes_fwd)
+        if op.kind in _QUANTIZED and opts.gemm_dtype != "bf16" and flops > 0:
+            return _quantized_time(op, s, flops, nbytes)
         if op.op_class == "attention" and not flash and attention_shape is not None:
             _, seq, hd = attention_shape
             # flops = 4 rows seq hd, rows = b (heads / tp) (seq / cp) query rows against seq keys each
@@ -380,11 +400,28 @@ def cluster_cost_context(cluster, *, mesh: MeshShape, device=None, dtype: str = 
                               shape=shape, calibration=calibration)
         return t / sustained_compute if op.op_class == "matmul" else t
 
+    def _quantized_time(op: LayerOp, s: OpStrategy, flops: float, nbytes: float) -> float:
+        shape = s.local_mnk(op.mnk, tp=mesh.tp, cp=mesh.cp)
+        t = compute.op_time_s(flops=flops, bytes_moved=nbytes, op_class="matmul", device=gpu, dtype=opts.gemm_dtype,
+                              shape=shape, calibration=calibration) / sustained_compute
+        frac = s.work_fraction / mesh.cp
+        backward = flops > 1.5 * op.flops_fwd * frac  # backward: twice the forward's FLOPs
+        if shape is not None:  # forward casts the (m, k) input, backward the (m, n) output gradient
+            m, n, k = shape
+            elems = m * n if backward else m * k
+        else:  # grouped expert GEMMs: the dispatched tokens into gate / up, and about half as much into down
+            elems = 1.5 * frac * op.dispatch_bytes / DTYPE_BYTES.get(dtype, 2)
+        cast = compute.op_time_s(flops=0.0, bytes_moved=opts.cast_bytes * elems, op_class="elementwise",
+                                 device=gpu, calibration=calibration)
+        return t + cast
+
     def coll(c: Collective) -> tuple[str, float]:
         group = groups[c.axis]
         if group.size == 1 or c.nbytes <= 0:
             return "", 0.0
         cc = comm.collective_time_s(c.kind, c.nbytes, group, cluster, first_rank=first_rank)
+        if c.axis == "tp" and mesh.sequence_parallel and c.kind in ("all_gather", "reduce_scatter"):
+            return cc.link_kind, cc.time_s * opts.tp_comm_exposed
         return cc.link_kind, cc.time_s
 
     scores = 0.0
@@ -400,12 +437,17 @@ def cluster_cost_context(cluster, *, mesh: MeshShape, device=None, dtype: str = 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CostOptions:
-    """How kernels run on the execution target (one set per target: ``costmodel.step_config.StepConstants``)."""
+    """How kernels run on the execution target (from its ``costmodel.step_config.StepConstants`` and the plan's
+    precision: ``GraphCoster.strategy``)."""
 
     sustained_compute: float = 1.0
     fused_input_projections: bool = False
     flash: bool = True
     softmax_bytes: float = 9.0
+    fused_memory_bound: bool = False
+    gemm_dtype: str = "bf16"
+    cast_bytes: float = 0.0
+    tp_comm_exposed: float = 1.0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -485,7 +527,7 @@ def block_strategy(block, *, graph, tp: int, cp: int = 1, ep: int = 1, microbatc
                                sustained_compute=cost.sustained_compute,
                                fused_input_projections=cost.fused_input_projections, flash=cost.flash,
                                causal_fraction=causal, attention_shape=_attention_shape(ops, seq, microbatch),
-                               softmax_bytes=cost.softmax_bytes)
+                               softmax_bytes=cost.softmax_bytes, cost=cost)
     try:
         result = solve_block(ops, mesh=mesh, ctx=ctx, recompute=recompute,
                              state_bytes_per_param=state_bytes_per_param, activation_multiplier=activation_multiplier,

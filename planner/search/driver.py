@@ -32,6 +32,7 @@ give the same plan: every loop runs in a fixed order and ties break on the struc
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -86,16 +87,18 @@ class SearchResult:
     time_per_phase_s: dict[str, float] = field(default_factory=dict)
 
 
-def make_config(structure: sp.Structure, knobs: sp.Knobs, *, global_batch: int, config_type: Any = None):
+def make_config(structure: sp.Structure, knobs: sp.Knobs, *, global_batch: int, config_type: Any = None,
+                precision: str = "bf16"):
     """The step model's ``ParallelConfig`` (or ``config_type``, same fields) for a structure and knobs."""
     if config_type is None:
         from costmodel.step import ParallelConfig as config_type
 
     s = structure
+    extra = {"precision": precision} if precision != "bf16" else {}
     return config_type(
         tp=s.tp, pp=s.pp, dp=s.dp, cp=s.cp, ep=s.ep, microbatch=s.microbatch, global_batch=global_batch,
         schedule=s.schedule, virtual_stages=s.virtual_stages, recompute=knobs.recompute,
-        sequence_parallel=knobs.sequence_parallel, zero_stage=knobs.zero_stage,
+        sequence_parallel=knobs.sequence_parallel, zero_stage=knobs.zero_stage, **extra,
     )
 
 
@@ -110,17 +113,27 @@ class _Ctx:
     deadline: float | None
     progress: Progress | None
     config_type: Any = None
+    refuse: Callable[[Any], Sequence[str]] | None = None
+    """Why the execution target cannot run a configuration (empty: it can); refused ones are never priced."""
+    precision: str = "bf16"
     evaluations: int = 0
     least_infeasible_gb: float = math.inf
     cache: dict = field(default_factory=dict)
     group_time_s: dict = field(default_factory=dict)
 
-    def price(self, structure: sp.Structure, knobs: sp.Knobs, stage_layers=None) -> Any | None:
+    def price(self, structure: sp.Structure, knobs: sp.Knobs, stage_layers=None, *, runnable: bool = True
+              ) -> Any | None:
+        """The step model's estimate (None: refused). ``runnable=False`` prices what the target may not run, for
+        the bounds (layer times do not depend on the knobs a target refuses)."""
+        cfg = make_config(structure, knobs, global_batch=self.global_batch, config_type=self.config_type,
+                          precision=self.precision)
+        if runnable and self.refuse is not None and self.refuse(cfg):
+            log.debug("skip %s %s: the target refuses it", structure.summary(), knobs.summary())
+            return None  # the execution target cannot run it: never proposed
         key = (structure, knobs, stage_layers)
         if key in self.cache:
             return self.cache[key]
         self.evaluations += 1
-        cfg = make_config(structure, knobs, global_batch=self.global_batch, config_type=self.config_type)
         try:
             est = self.estimate(self.workload, cfg, self.cluster, stage_layers=stage_layers)
         except ConfigError as e:  # the step model refuses what the space let through: skip, but say so
@@ -172,7 +185,7 @@ class _Ctx:
         group += (s.pp,) if hetero else ()
         if group not in self.group_time_s:
             cuts = self.even_cuts(s)
-            est = self.price(s, knobs, cuts)
+            est = self.price(s, knobs, cuts, runnable=False)
             if est is None:
                 self.group_time_s[group] = None
             elif hetero:
@@ -387,9 +400,13 @@ def search(
     time_limit_s: float | None = None,
     progress: Progress | None = None,
     config_type: Any = None,
+    refuse: Callable[[Any], Sequence[str]] | None = None,
+    precision: str = "bf16",
 ) -> SearchResult:
     """The best configuration for ``workload`` on ``cluster`` under the step model ``estimate``
-    (``costmodel.step.estimate_step`` by default; tests pass stand-ins with their own ``config_type``)."""
+    (``costmodel.step.estimate_step`` by default; tests pass stand-ins with their own ``config_type``).
+    ``refuse(config)``: why the execution target cannot run a configuration (``Target.refusals``); refused
+    configurations are skipped. ``precision``: the GEMM precision every configuration is priced at."""
     if estimate is None:
         from costmodel.step import estimate_step as estimate
     options = options or sp.SearchOptions()
@@ -400,7 +417,8 @@ def search(
     t0 = time.perf_counter()
     deadline = None if time_limit_s is None else t0 + max(0.0, float(time_limit_s))
     ctx = _Ctx(workload=workload, cluster=cluster, global_batch=int(global_batch), estimate=estimate,
-               options=options, fix=fixed, deadline=deadline, progress=progress, config_type=config_type)
+               options=options, fix=fixed, deadline=deadline, progress=progress, config_type=config_type,
+               refuse=refuse, precision=precision)
     dims = sp.ModelDimsLite(heads=workload.heads, kv_heads=workload.kv_heads, layers=workload.num_layers,
                             seq=workload.seq, experts=workload.experts)
     structures = sp.enumerate_structures(dims=dims, num_devices=cluster.num_devices,
@@ -509,13 +527,36 @@ def plan_model(
     options: sp.SearchOptions | None = None,
     progress: Progress | None = None,
     record_timings: bool = True,
+    target: str = "autopar",
+    precision: str = "bf16",
 ):
     """Plan ``model`` (a spec string, or a ``(Workload, ModelInfo)`` pair) on ``cluster``: a ``Plan``.
 
     ``time_limit_s`` bounds the search (anytime: the best plan so far, ``solver.status == "feasible"``);
     ``fix`` pins any choice (``{"tp": 8, "pp": 4}`` or ``"tp=8,pp=4"``). ``record_timings=False`` leaves the
     wall-clock phase times out of the plan, so that equal inputs give byte-identical plan files.
+    ``target``: the execution target (``costmodel.targets.load_target`` spec) whose constants price every
+    candidate and whose refusals are never proposed. ``precision``: the GEMM precision, or ``"auto"``: each
+    precision the target trains with on this cluster's accelerators is searched and the fastest plan kept.
     """
+    from costmodel.step import estimate_step
+    from costmodel.targets import load_target
+
+    spec = load_target(target)
+    precisions = spec.precisions_on(cluster) if precision == "auto" else (precision,)
+    if precision != "auto":
+        spec.check_precision(precision, cluster)
+    plans = [_plan_one(model, cluster, global_batch=global_batch, seq=seq, time_limit_s=time_limit_s, fix=fix,
+                       options=options, progress=progress, record_timings=record_timings, target=spec, precision=p,
+                       estimate=functools.partial(estimate_step, target=spec))
+             for p in precisions]
+    return min(plans, key=lambda p: (not p.prediction.fits, p.prediction.step_time_s))
+
+
+def _plan_one(model: Any, cluster: Any, *, global_batch: int, seq: int | None, time_limit_s: float | None, fix: Any,
+              options: sp.SearchOptions | None, progress: Progress | None, record_timings: bool, target: Any,
+              precision: str, estimate: Estimator):
+    """``plan_model`` for one target and precision."""
     from planner.search import model_input
     from planner.search.assemble import build_plan
 
@@ -529,12 +570,14 @@ def plan_model(
     sp_tps = model_input.sequence_parallel_tps(loaded, cluster=cluster, max_tp=int(cluster.gpus_per_node))
     if sp_tps is not None:
         options = replace(options or sp.SearchOptions(), sequence_parallel_tps=sp_tps)
-    result = search(workload=loaded.workload, cluster=cluster, global_batch=global_batch, options=options,
+    w = loaded.workload
+    refuse = functools.partial(target.refusals, experts=w.experts, tied_embeddings=w.tied_embeddings, glu=w.glu)
+    result = search(workload=w, cluster=cluster, global_batch=global_batch, options=options, estimate=estimate,
                     fix=fix, time_limit_s=None if time_limit_s is None else max(0.0, time_limit_s - t_trace),
-                    progress=progress)
+                    progress=progress, refuse=refuse, precision=precision)
     t1 = time.perf_counter()
     shardings, intra_stats = model_input.shardings_for(loaded, result.best, cluster=cluster,
-                                                       global_batch=global_batch)
+                                                       global_batch=global_batch, target=target, precision=precision)
     t_intra = time.perf_counter() - t1
     phases = {"trace": t_trace, **result.time_per_phase_s, "intra_op": t_intra}
     log.info("planned %s: %s, %.4f s/step (%s)", loaded.model_info.name, result.best.summary(),
@@ -542,4 +585,4 @@ def plan_model(
     plan = build_plan(model_info=loaded.model_info, workload=loaded.workload, cluster=cluster, result=result,
                       global_batch=global_batch, shardings=shardings, time_per_phase_s=phases,
                       record_timings=record_timings, module_groups=loaded.module_groups, intra_op=intra_stats)
-    return plan
+    return replace(plan, precision=precision, target=target.spec)

@@ -75,8 +75,8 @@ def sequence_parallel_tps(loaded: LoadedModel, *, cluster: Any, max_tp: int) -> 
     return frozenset(ok)
 
 
-def shardings_for(loaded: LoadedModel, best: Any, *, cluster: Any, global_batch: int
-                  ) -> tuple[tuple[ModuleSharding, ...], dict]:
+def shardings_for(loaded: LoadedModel, best: Any, *, cluster: Any, global_batch: int, target: Any = None,
+                  precision: str = "bf16") -> tuple[tuple[ModuleSharding, ...], dict]:
     """Per-module sharding of the chosen configuration: for every workload entry, the solution of the block
     ILP that the step model priced it with (``GraphCoster.strategy`` at the entry's own layer context: its
     pipeline rank's node group, its recomputation), expanded to the entry's module FQNs."""
@@ -87,8 +87,8 @@ def shardings_for(loaded: LoadedModel, best: Any, *, cluster: Any, global_batch:
     from costmodel.step import layer_contexts
     from planner.search.driver import make_config
 
-    cfg = make_config(best.structure, best.knobs, global_batch=global_batch)
-    contexts = layer_contexts(loaded.workload, cfg, cluster, stage_layers=best.stage_layers)
+    cfg = make_config(best.structure, best.knobs, global_batch=global_batch, precision=precision)
+    contexts = layer_contexts(loaded.workload, cfg, cluster, stage_layers=best.stage_layers, target=target)
     out: dict[str, str] = {}
     solved: dict[int, dict] = {}
     for layer, ctx in zip(loaded.workload.layers, contexts):
