@@ -24,6 +24,7 @@ from planner.export_check import (  # layers_per_stage: used by planner.diff
     MemoryCheck,
     check_memory,
     layers_per_stage,
+    made_for_note,
     memory_refusal,
     plan_dims,
     target_refusals,
@@ -68,5 +69,7 @@ def export_plan(plan: Plan, target: str, *, dims: ModelDims | None = None, force
         raise error(f"{target} cannot run this plan as planned:\n- " + "\n- ".join(refusals), **kwargs)
     warnings = tuple(f"{target}: {r.line()}" for r in memory.ranks if r.status == "close")
     text, filename, notes = WRITERS[target](plan, dims, memory)
+    made_for = made_for_note(plan, spec)
+    notes = ([made_for] if made_for else []) + list(notes)
     return ExportResult(target=target, text=text, filename=filename, notes=tuple(notes), warnings=warnings,
                         refusals=tuple(refusals), memory=memory)

@@ -127,12 +127,26 @@ def config_of(plan: Plan) -> ParallelConfig:
         tp=d.tp, pp=d.pp, dp=d.dp, cp=d.cp, ep=d.ep, microbatch=s.microbatch_size, global_batch=plan.global_batch,
         schedule=s.name, virtual_stages=s.virtual_stages, recompute=heaviest_recompute(plan),
         recompute_layers=tuple(k for _, k in per_chunk), sequence_parallel=plan.sequence_parallel,
-        zero_stage=plan.zero_stage,
+        zero_stage=plan.zero_stage, precision=plan.precision,
     )
 
 
 def target_refusals(plan: Plan, target: Target, dims: ModelDims) -> list[str]:
-    return target.refusals(config_of(plan), experts=dims.experts, tied_embeddings=dims.tied_embeddings, glu=dims.glu)
+    """What ``target`` cannot run of ``plan``, and a plan priced for another framework (a plan made for
+    autopar's runtime exports to any target: ``made_for_note``)."""
+    out = target.refusals(config_of(plan), experts=dims.experts, tied_embeddings=dims.tied_embeddings, glu=dims.glu)
+    made_for = plan.target.split(":")[0]
+    if made_for not in ("autopar", target.name):
+        out.append(f"the plan was priced for {plan.target}, not {target.name}: re-plan with --target {target.name}")
+    return out
+
+
+def made_for_note(plan: Plan, target: Target) -> str | None:
+    """A note when ``plan`` was priced for autopar's runtime rather than for ``target``."""
+    if plan.target.split(":")[0] == target.name:
+        return None
+    return (f"priced for {plan.target}'s kernels and overlaps, not {target.name}'s: re-plan with --target "
+            f"{target.name} for {target.name}'s prediction")
 
 
 # --- memory under the target's layout -------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 name, notes)``, the notes saying what runs differently there than the plan priced.
 
 - Megatron-LM: a ``torchrun ... pretrain_gpt.py`` script with the model shape, the parallel layout, batch,
-  recomputation, ZeRO and overlap flags (every flag is one of ``megatron/training/arguments.py``'s; the test
+  recomputation, ZeRO and overlap flags, the precision's flags (``--fp8-format hybrid --fp8-recipe ...``,
+  ``--fp4-recipe nvfp4``; profiles/targets/megatron.toml) and ``--tp-comm-overlap`` when the plan priced it (every flag is one of ``megatron/training/arguments.py``'s; the test
   checks them against ``tests/data/megatron_arguments_flags.txt``).
 - torchtitan 0.3.0: a config-registry module (``--module <file> --config autopar_job``) that starts from the
   llama3 registry job and sets the model shape, parallelism, batch and activation checkpointing.
@@ -14,6 +15,8 @@ from __future__ import annotations
 import json
 from typing import Callable
 
+from costmodel.errors import ConfigError
+from costmodel.targets import load_target
 from planner.export_check import MemoryCheck, layers_per_stage, heaviest_recompute, recompute_per_chunk
 from planner.models import ModelDims
 from planner.plan import Plan
@@ -43,8 +46,10 @@ def megatron_args(plan: Plan, dims: ModelDims) -> tuple[list[str], list[str]]:
     notes: list[str] = []
     args = _megatron_model(dims) + _megatron_layout(plan, notes) + _megatron_recompute(plan, notes)
     d = plan.degrees
-    args += ["--micro-batch-size", str(plan.schedule.microbatch_size), "--global-batch-size", str(plan.global_batch),
-             "--bf16"]
+    args += ["--micro-batch-size", str(plan.schedule.microbatch_size), "--global-batch-size", str(plan.global_batch)]
+    args += megatron_precision_args(plan)
+    if _priced_tp_overlap(plan):  # the plan priced Transformer Engine's GEMM / collective overlap
+        args.append("--tp-comm-overlap")
     sharded = d.dp * d.cp > 1
     if plan.zero_stage in (1, 2):
         args.append("--use-distributed-optimizer")
@@ -61,6 +66,24 @@ def megatron_args(plan: Plan, dims: ModelDims) -> tuple[list[str], list[str]]:
     args += ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(dims.vocab),
              "--make-vocab-size-divisible-by", "1", "--train-iters", "100", "--lr", "1.0e-4"]
     return args, notes
+
+
+def megatron_precision_args(plan: Plan) -> list[str]:
+    """The flags of the plan's precision (``[precision.<name>] megatron_args`` of profiles/targets/megatron.toml:
+    ``--bf16``, ``--fp8-format hybrid --fp8-recipe delayed --fp8-param-gather``, ...)."""
+    args = dict(load_target("megatron").precision_args)
+    if plan.precision not in args:
+        raise ConfigError(f"precision {plan.precision!r} has no Megatron-LM flags in profiles/targets/megatron.toml; "
+                          f"precisions: {', '.join(args)}")
+    return args[plan.precision].split()
+
+
+def _priced_tp_overlap(plan: Plan) -> bool:
+    """Whether the plan was priced with tp communication overlap (its target hides sequence-parallel
+    collectives behind GEMMs and the plan runs sequence parallel over tp > 1)."""
+    if plan.degrees.tp == 1 or not plan.sequence_parallel:
+        return False
+    return load_target(plan.target).constants.tp_comm_exposed < 1.0
 
 
 def _megatron_model(dims: ModelDims) -> list[str]:
@@ -218,6 +241,9 @@ def torchtitan_settings(plan: Plan) -> tuple[dict[str, dict[str, object]], str, 
                    module_fqns_per_model_part=_titan_parts(plan))
     else:  # the micro-batch is the local batch; gradient accumulation over the plan's micro-batches
         training["local_batch_size"] = s.microbatch_size
+    if plan.precision != "bf16":
+        notes.append(f"precision {plan.precision}: add torchtitan's float8 converter (torchao tensorwise scaling, FSDP "
+                     "float8 all-gather) or mx converter (MXFP8) to the job; this export sets bf16 only")
     ac = heaviest_recompute(plan)
     per_chunk = recompute_per_chunk(plan)
     if ac != "none" and any((m, k) != (ac, n) for (m, k), n in zip(per_chunk, layers_per_stage(plan))):
