@@ -173,8 +173,12 @@ class SolverStats:
     """``optimal`` | ``feasible`` (time limit hit, best so far) | ``fixed`` (configuration given)."""
     objective: float = 0.0
     bound: float = 0.0
+    """A lower bound on the step time of every plan in the space that ``proven`` names."""
     gap: float = 0.0
     candidates_explored: int = 0
+    proven: str = ""
+    """Which space ``status``, ``bound`` and ``gap`` cover, in words (``optimal over the whole space (...)``, or
+    what was left open: pipelines whose cuts a DP proposed, not reached before the time limit, ...)."""
     intra_op: dict[str, float] = field(default_factory=dict)
     """The per-block sharding ILPs behind the plan's shardings: ``blocks`` (workload entries),
     ``distinct_solutions``, how many ended ``optimal`` / ``feasible`` / ``greedy``, and ``max_gap``."""

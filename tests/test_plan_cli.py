@@ -75,11 +75,11 @@ def test_plan_writes_a_valid_plan_and_summary(tmp_path, capsys):
     plan = load_plan(out)  # schema-validated
     assert plan.cluster.num_devices == 4 and plan.degrees.world_size == 4
     assert plan.solver.status == "optimal" and plan.solver.candidates_explored > 0
-    assert set(plan.solver.time_per_phase_s) >= {"trace", "enumerate", "screen", "stage_dp", "intra_op"}
+    assert set(plan.solver.time_per_phase_s) >= {"trace", "enumerate", "explore", "cuts", "intra_op"}
     mods = [m for s in plan.stages for m in s.modules]
     assert mods[0].endswith("embed_tokens") and "lm_head" in mods  # real FQNs, the groups expanded
     assert "step time" in cap.out and "tokens/s" in cap.out and f"wrote {out}" in cap.out
-    assert "autopar plan: screen" in cap.err  # progress on stderr
+    assert "autopar plan: explored" in cap.err  # progress on stderr
 
 
 def test_plan_json_fix_and_reproducible_output(capsys):

@@ -97,5 +97,5 @@ def summary(plan) -> str:
         f"time        {parts}",
         f"search      {st.status}, {st.candidates_explored} structures explored, objective {st.objective:.4g} s, "
         f"bound {st.bound:.4g} s, gap {100 * st.gap:.1f}%" + (f"; phases (s): {phases}" if phases else ""),
-    ]
+    ] + ([f"proven      {st.proven}"] if st.proven else [])
     return "\n".join(lines)

@@ -129,6 +129,7 @@ def build_plan(
         bound=bound,
         gap=gap,
         candidates_explored=int(result.candidates_explored),
+        proven=str(getattr(result, "proven", "")),
         intra_op=_intra_op_stats(intra_op or {}),
     )
     alternatives = tuple(
