@@ -131,7 +131,7 @@ def test_interleaved_and_zero_bubble_cuts_equal_brute_force(schedule, v):
     wl = llama_workload(layers=8, hidden=1024, heads=16, kv_heads=4, ffn_hidden=3584, vocab=128256, seq=2048)
     cl = make_cluster("dgx-a100-80gb", 1, gpus_per_node=4)
     fix = f"schedule={schedule},v={v},pp=2,tp=2,dp=1,mb=2,recompute=none,zero=0,sp=false"
-    opts = sp.SearchOptions(zero_bubble_virtual_stages=(1, 2))
+    opts = sp.SearchOptions()
     best = driver.search(workload=wl, cluster=cl, global_batch=16, fix=fix, options=opts).best
     cfg = driver.make_config(best.structure, best.knobs, global_batch=16)
     ref = _brute_force_cuts(wl, cfg, cl, 2 * v)

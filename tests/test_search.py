@@ -62,6 +62,20 @@ def _compositions(n, lows):
 # --- the cases the space used to cut out --------------------------------------------------------------------
 
 
+@pytest.mark.slow
+def test_flagship_gpt3_finds_twelve_virtual_stages():
+    """GPT-3 175B on 128 DGX-A100 (batch 1536): tp2 pp8 dp64 interleaved v=12 (above the old cap of 4) fits and
+    prices below v=4; the search must reach at most its step time."""
+    wl = gpt_workload(layers=96, hidden=12288, heads=96, vocab=51200, seq=2048)
+    cl = make_cluster("dgx-a100-80gb", 128)
+    cfg = ParallelConfig(tp=2, pp=8, dp=64, microbatch=1, global_batch=1536, schedule="interleaved-1f1b",
+                         virtual_stages=12, sequence_parallel=True, zero_stage=2)
+    v12 = estimate_step(wl, cfg, cl)
+    res = driver.search(workload=wl, cluster=cl, global_batch=1536)
+    assert v12.fits and res.best.step_time_s <= v12.step_time_s * (1 + 1e-9)
+    assert res.bound_s <= res.best.step_time_s
+
+
 def test_uneven_cuts_beat_the_even_split_where_the_issue_found_them():
     """Llama 8 layers with a 128k vocabulary: on one PCIe L40S node pp4 dp2 zero-bubble with cuts 3/3/3/1
     beats the old plan; with pp fixed to 8 on two PCIe A100 nodes the head gets a chunk of its own. The plan
@@ -150,6 +164,9 @@ def test_space_rules():
             assert s.num_microbatches >= s.pp
         if s.schedule in ("interleaved-1f1b", "zero-bubble"):
             assert s.num_microbatches % s.pp == 0
+    assert max(s.virtual_stages for s in structs if s.pp == 2) == 5  # up to layers / pp
+    assert max(s.microbatch for s in structs if s.dp == 1) == 32  # every divisor of global_batch / dp
+    assert any(s.schedule == "zero-bubble" and s.virtual_stages == 2 for s in structs)
     assert any(s.pp == 3 for s in sp.enumerate_structures(dims=dims, num_devices=24, gpus_per_node=8,
                                                           global_batch=24, options=opts))  # uneven: 10 layers / 3
     assert sp.nearest_valid_batches(global_batch=1000, dps=[64, 48]) == [1008, 1024, 960]

@@ -6,8 +6,9 @@ A configuration is split in two:
   how the batch flows. Validity is decided here from divisibility (tp a power of two within a node dividing
   heads and kv heads; cp a power of two with ``2 cp`` dividing the sequence, for the load-balanced causal split;
   ep dividing experts and dp; pp at most the number of layers, uneven cuts allowed; dp dividing the global
-  batch; the micro-batch size dividing ``global_batch / dp``; the schedule's constraints on micro-batch counts).
-- ``Knobs``: recompute none/selective/full and how many layers of each chunk it covers, ZeRO stage 0-3,
+  batch; every micro-batch size dividing ``global_batch / dp``; the schedule's constraints on micro-batch counts;
+  up to ``layers / pp`` chunks per rank for interleaved 1F1B and zero-bubble, as torch runs them).
+- ``Knobs``: recompute none/selective/full, ZeRO stage 0-3,
   sequence parallel: memory-for-time trades that ``knobs.best_knobs`` decides per structure and cut.
 
 What is left out, and why (``tests/test_search.py`` compares the search with every configuration):
@@ -45,15 +46,15 @@ _INT_KEYS = ("tp", "cp", "ep", "pp", "dp", "microbatch", "virtual_stages", "zero
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SearchOptions:
-    max_microbatch: int | None = 16
-    """Largest micro-batch size enumerated; None: every divisor of ``global_batch / dp``."""
+    max_microbatch: int | None = None
+    """Largest micro-batch size enumerated; None: every divisor of ``global_batch / dp`` (bounds prune them)."""
     max_cp: int = 8
     min_tokens_per_cp_rank: int = 1024
     """Context parallel only while each rank keeps this many tokens: below that, ring attention's blocks are
     too small to hide their send/recv (and sequences that short do not need cp to fit)."""
-    max_virtual_stages: int | None = 4
-    """Most chunks per pipeline rank for interleaved 1F1B; None: up to ``layers / pp``."""
-    zero_bubble_virtual_stages: tuple[int, ...] = (1,)
+    max_virtual_stages: int | None = None
+    """Most chunks per pipeline rank (interleaved 1F1B, zero-bubble); None: up to ``layers / pp``, as torch's
+    ``ScheduleInterleaved1F1B`` / ``ScheduleInterleavedZeroBubble`` run any number (uneven chunks allowed)."""
     schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
     recompute: tuple[str, ...] = RECOMPUTE_ORDER
     zero_stages: tuple[int, ...] = (0, 2, 3)
@@ -218,7 +219,7 @@ def _schedules(*, pp: int, m: int, layers: int, options: SearchOptions) -> list[
         if "interleaved-1f1b" in options.schedules:
             out.extend(("interleaved-1f1b", v) for v in range(2, most + 1))
         if "zero-bubble" in options.schedules:
-            out.extend(("zero-bubble", v) for v in options.zero_bubble_virtual_stages if pp * v <= layers)
+            out.extend(("zero-bubble", v) for v in range(1, most + 1))
     return out
 
 
