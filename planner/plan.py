@@ -112,6 +112,9 @@ class StagePlan:
     ranks: tuple[int, ...]
     """Global ranks holding this chunk."""
     recompute: Recompute = "none"
+    recompute_layers: int = -1
+    """How many of the chunk's recomputable layers (all but the embedding and the head), from its first, run
+    with ``recompute``; -1: all of them. The search writes the count it priced (the fewest that fit)."""
     gpu: str = ""
     """Accelerator of the node group the chunk is placed on: the one its time was predicted on (on a
     heterogeneous cluster each pipeline rank's ranks lie in one node group, and the cuts balance the groups)."""

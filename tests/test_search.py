@@ -1,4 +1,5 @@
-"""Planner search: bounds and the cuts they list; status and bound are honest; fix; errors; determinism."""
+"""Planner search: its bounds hold for the step model (every knob, recompute count and cut); per-stage
+recomputation; status and bound are honest; fix; errors; determinism."""
 
 import functools
 import random
@@ -10,10 +11,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from _brute_force import counts, cuts, knobs  # noqa: E402
 from _toy_step import ToyConfig, toy_estimate, toy_workload  # noqa: E402
 
 from costmodel.analytic import gpt_workload, llama_workload  # noqa: E402
 from costmodel.errors import ConfigError, InfeasiblePlanError  # noqa: E402
+from costmodel.hardware import Cluster  # noqa: E402
 from costmodel.profiles import make_cluster  # noqa: E402
 from costmodel.step import ParallelConfig, estimate_step  # noqa: E402
 from planner.search import bounds as bd  # noqa: E402
@@ -26,7 +29,85 @@ def _with_memory(cluster, gb):
     return replace(cluster, groups=groups)
 
 
-# --- bounds ------------------------------------------------------------------------------------------------
+# --- bounds and the step-model properties they rest on ------------------------------------------------------
+
+
+def _bound_ctx(wl, cl, gb):
+    ctx = driver._Ctx(workload=wl, cluster=cl, global_batch=gb, estimate=estimate_step, options=sp.SearchOptions(),
+                      fix={}, deadline=None, progress=None, layout=bd.layout_of(wl.layers),
+                      ideal_s=driver._ideal_step_s(wl, cl, gb))
+    structs = sp.enumerate_structures(
+        dims=sp.ModelDimsLite(heads=wl.heads, kv_heads=wl.kv_heads, layers=wl.num_layers, seq=wl.seq),
+        num_devices=cl.num_devices, gpus_per_node=cl.gpus_per_node, global_batch=gb, options=ctx.options,
+        group_devices=tuple(g.node.gpus_per_node * g.count for g in cl.groups))
+    driver._probes(ctx, structs)
+    return ctx, structs
+
+
+@pytest.mark.parametrize("hetero", [False, True])
+def test_bounds_hold_for_the_step_model(hetero):
+    """Structure and cut bounds are below every estimate of every knob, recompute count and cut tried."""
+    wl = llama_workload(layers=8, hidden=2048, heads=16, kv_heads=4, ffn_hidden=5632, vocab=32000, seq=2048)
+    if hetero:
+        a, h = make_cluster("dgx-a100-80gb", 1, gpus_per_node=4), make_cluster("dgx-h100", 1, gpus_per_node=4)
+        cl = Cluster(name="a100+h100", groups=(a.groups[0], h.groups[0]))
+    else:
+        cl = make_cluster("pcie-8xa100", 1)
+    ctx, structs = _bound_ctx(wl, cl, 16)
+    rng, checked = random.Random(5), 0
+    for s in rng.sample(structs, 60):
+        whole = driver._sp_bounds(ctx, s)
+        for _ in range(4):
+            cut = rng.choice(list(cuts(wl, s.pp * s.virtual_stages)))
+            at = driver._sp_bounds(ctx, s, cut)
+            k = rng.choice(list(knobs(wl, s)))
+            rl = rng.choice(list(counts(wl, cut))) if k.recompute != "none" else None
+            est = ctx.price(s, replace(k, recompute_layers=rl), cut)
+            if est is None:
+                continue
+            assert est.step_time_s >= whole[k.sequence_parallel] * (1 - 1e-9), (s.summary(), cut)
+            assert est.step_time_s >= at[k.sequence_parallel] * (1 - 1e-9), (s.summary(), cut)
+            assert est.step_time_s >= whole[k.sequence_parallel] and at[k.sequence_parallel] >= whole[
+                k.sequence_parallel] * (1 - 1e-9)
+            checked += 1
+    assert checked > 150
+
+
+def test_rank_times_are_additive_and_recomputation_and_zero_only_add():
+    """What the bounds read off one estimate: a rank's time is its entries' times (E_r + n_r u_r); ZeRO leaves
+    rank times alone; recomputing more layers never takes less time, nor more memory once one layer recomputes
+    (full recomputation's one-layer buffer appears with the first); a rank's memory depends on its own recompute
+    counts only."""
+    wl = gpt_workload(layers=12, hidden=2048, heads=16, vocab=51200, seq=2048)
+    cl = make_cluster("dgx-a100-80gb", 2)
+    ctx, _ = _bound_ctx(wl, cl, 32)
+    layout = bd.layout_of(wl.layers)
+    s = sp.Structure(tp=2, cp=1, ep=1, pp=4, dp=2, microbatch=2, schedule="1f1b", virtual_stages=1,
+                     num_microbatches=8)
+    base = sp.Knobs(sequence_parallel=True)
+    costs = driver._costs(ctx, s, True)
+    assert costs is not None
+    for per in [(3, 3, 3, 3), (1, 4, 5, 2), (0, 6, 6, 0), (5, 1, 1, 5)]:
+        cut = bd.stage_layers_of(layout, per)
+        est = ctx.price(s, base, cut)
+        want = [costs.fixed_s(r) + per[r] * costs.layer_s[r] for r in range(4)]
+        assert est.stage_time_s == pytest.approx(want, rel=1e-9)
+        for z in (1, 2, 3):
+            assert ctx.price(s, replace(base, zero_stage=z), cut).stage_time_s == pytest.approx(est.stage_time_s)
+        for mode in ("selective", "full"):
+            prev = None
+            for k in range(0, 4):
+                rl = tuple(min(k, n) for n in per)
+                e = ctx.price(s, replace(base, recompute=mode, recompute_layers=rl), cut)
+                if prev is not None:
+                    assert e.step_time_s >= prev.step_time_s * (1 - 1e-12)
+                if k >= 2:
+                    assert all(a <= b * (1 + 1e-12) for a, b in zip(e.stage_memory_gb, prev.stage_memory_gb))
+                prev = e
+            mixed = ctx.price(s, replace(base, recompute=mode, recompute_layers=(min(2, per[0]), 0, 0, 0)), cut)
+            others = tuple(min(1, n) for n in per[1:])
+            alone = ctx.price(s, replace(base, recompute=mode, recompute_layers=(min(2, per[0]),) + others), cut)
+            assert mixed.stage_memory_gb[0] == pytest.approx(alone.stage_memory_gb[0], rel=1e-12)
 
 
 def test_rank_count_listing_equals_filtering_every_cut():
@@ -93,6 +174,21 @@ def test_uneven_cuts_beat_the_even_split_where_the_issue_found_them():
     assert fixed.status == "optimal", fixed.proven
 
 
+def test_partial_recomputation_where_none_does_not_fit():
+    """A 1F1B pipeline whose first rank holds four micro-batches in flight: recomputing some of its layers
+    fits; full recomputation everywhere is slower than the plan."""
+    wl = gpt_workload(layers=8, hidden=4096, heads=32, vocab=51200, seq=4096)
+    cl = make_cluster("dgx-a100-80gb", 1, gpus_per_node=4)
+    fix = "tp=1,pp=4,schedule=1f1b,mb=1,zero=0"
+    plain = driver.search(workload=wl, cluster=_with_memory(cl, 1000.0), global_batch=8, fix=fix)
+    full = driver.search(workload=wl, cluster=_with_memory(cl, 1000.0), global_batch=8, fix=fix + ",recompute=full")
+    mid = (plain.best.estimate.memory_gb_per_device + full.best.estimate.memory_gb_per_device) / 2
+    res = driver.search(workload=wl, cluster=_with_memory(cl, mid), global_batch=8, fix=fix)
+    rl = res.best.knobs.recompute_layers
+    assert res.best.knobs.recompute != "none" and rl is not None and 0 < sum(rl) < 8, res.best.summary()
+    assert res.best.step_time_s < full.best.step_time_s
+
+
 # --- status, bound, limits ----------------------------------------------------------------------------------
 
 
@@ -118,6 +214,7 @@ def test_fix_pins_choices_and_rejects_unknown_keys():
                         fix="tp=2,pp=2,mb=2,recompute=full")
     s = res.best.structure
     assert (s.tp, s.pp, s.microbatch, res.best.knobs.recompute) == (2, 2, 2, "full")
+    assert res.best.knobs.recompute_layers is None  # a fixed mode covers every layer
     with pytest.raises(ConfigError, match="known keys"):
         driver.search(workload=wl, cluster=cl, global_batch=16, estimate=est, config_type=ToyConfig, fix="tq=2")
     with pytest.raises(ConfigError, match="tp=3 pp=2|relax --fix"):
@@ -242,6 +339,8 @@ def test_plan_model_byte_identical_json_and_time_limit():
     assert cut.solver.status == "feasible" and cut.prediction.fits and "time limit" in cut.solver.proven
     assert cut.solver.candidates_explored < full.solver.candidates_explored
     assert cut.solver.bound <= full.prediction.step_time_s <= cut.prediction.step_time_s
+    rl = [st.recompute_layers for st in full.stages]
+    assert all(isinstance(k, int) and 0 <= k <= len(st.modules) for k, st in zip(rl, full.stages))
 
 
 def test_sequence_parallel_only_where_the_blocks_can_execute_it():

@@ -56,6 +56,7 @@ def stage_plans(
     chunk_times = _chunk_times(workload, candidate.stage_layers, times, s.pp)
     devices = tuple(getattr(est, "stage_device", ()) or ())
     out, start = [], 0
+    counts = candidate.knobs.recompute_layers
     for c, n in enumerate(candidate.stage_layers):
         r = c % s.pp
         ranks = tuple(range(r * per_rank, (r + 1) * per_rank))
@@ -65,12 +66,19 @@ def stage_plans(
             modules=tuple(m for group in names[start : start + n] for m in group),
             ranks=ranks,
             recompute=candidate.knobs.recompute,
+            recompute_layers=0 if candidate.knobs.recompute == "none" else _recomputed(
+                workload.layers[start : start + n], counts, c),
             gpu=devices[r] if len(devices) == s.pp else cluster.group_of_rank(ranks[0]).node.gpu.name,
             predicted_time_s=chunk_times[c],
             predicted_memory_gb=float(mems[r]) if len(mems) == s.pp else float(est.memory_gb_per_device),
         ))
         start += n
     return tuple(out)
+
+
+def _recomputed(entries: Sequence[Any], counts: Sequence[int] | None, chunk: int) -> int:
+    """Recomputed layers of a chunk: the searched count, or all its recomputable entries."""
+    return sum(1 for e in entries if e.recomputable) if counts is None else int(counts[chunk])
 
 
 def _chunk_times(workload: Any, stage_layers: Sequence[int], times: Sequence[float], pp: int) -> list[float]:

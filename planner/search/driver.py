@@ -8,7 +8,7 @@ Phases (each timed in ``SearchResult.time_per_phase_s``):
    estimate per (tp, cp, ep, micro-batch, sequence parallel) group (per pp too on a heterogeneous cluster), at
    least the perfect-compute bound ``space.step_time_lower_bound_s``. Structures are sorted by it.
 2. ``explore``: branch and bound with even cuts: each structure gets its best knobs (``knobs.best_knobs``:
-   ZeRO, sequence parallel, recomputation) until a structure's bound reaches the
+   ZeRO, sequence parallel, recomputation and its per-chunk layer counts) until a structure's bound reaches the
    best step time found; the later ones cannot win (pruned).
 3. ``cuts``: every explored pipeline whose bound is below the best step time: every cut whose own bound is
    below it (``bounds.rank_counts_below``) is priced with its own knobs, best bound first; the best step time
@@ -352,11 +352,11 @@ def _every_position(ctx: _Ctx, s: sp.Structure, st: _State) -> bool:
 
 
 def _dp_cuts(ctx: _Ctx, s: sp.Structure, st: _State) -> None:
-    """The DPs' cut for ``s`` (probed at its best knobs), priced."""
+    """The DPs' cut for ``s`` (probed at its best knobs, every layer recomputed if it recomputes), priced."""
     seed = st.per_structure.get(s)
     if seed is None:
         return
-    knobs = seed.knobs
+    knobs = replace(seed.knobs, recompute_layers=None)
     price = lambda cuts: _price_or_raise(ctx, s, knobs, cuts)  # noqa: E731
     inflight = _inflight(s.schedule, s.pp, s.num_microbatches, s.virtual_stages)
     if s.schedule in ("gpipe", "1f1b"):
@@ -457,7 +457,7 @@ def search(
 
 def _proven(total: int, pruned: int, st: _State, open_bounds: list[float], bounds, best: Candidate) -> str:
     """What the bound covers, in words."""
-    head = (f"{total} structures x knobs x cuts: {len(st.explored)} explored, {pruned} "
+    head = (f"{total} structures x knobs x recompute counts x cuts: {len(st.explored)} explored, {pruned} "
             f"pruned by bound, uneven cuts searched for {st.refined}")
     if not open_bounds:
         return f"optimal over the whole space ({head})"

@@ -8,7 +8,7 @@ A configuration is split in two:
   ep dividing experts and dp; pp at most the number of layers, uneven cuts allowed; dp dividing the global
   batch; every micro-batch size dividing ``global_batch / dp``; the schedule's constraints on micro-batch counts;
   up to ``layers / pp`` chunks per rank for interleaved 1F1B and zero-bubble, as torch runs them).
-- ``Knobs``: recompute none/selective/full, ZeRO stage 0-3,
+- ``Knobs``: recompute none/selective/full and how many layers of each chunk it covers, ZeRO stage 0-3,
   sequence parallel: memory-for-time trades that ``knobs.best_knobs`` decides per structure and cut.
 
 What is left out, and why (``tests/test_search.py`` compares the search with every configuration):
@@ -108,12 +108,17 @@ class Knobs:
     recompute: str = "none"
     zero_stage: int = 0
     sequence_parallel: bool = False
+    recompute_layers: tuple[int, ...] | None = None
+    """Per pipeline chunk, how many of its transformer layers (from its first) use ``recompute``; None: all."""
 
     def sort_key(self) -> tuple:
-        return (self.recompute, self.zero_stage, self.sequence_parallel)
+        return (self.recompute, self.zero_stage, self.sequence_parallel, self.recompute_layers or ())
 
     def summary(self) -> str:
-        return f"recompute={self.recompute} zero={self.zero_stage}" + (" sp" if self.sequence_parallel else "")
+        rec = self.recompute
+        if self.recompute_layers is not None and rec != "none":
+            rec += f"({sum(self.recompute_layers)} layers)"
+        return f"recompute={rec} zero={self.zero_stage}" + (" sp" if self.sequence_parallel else "")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
