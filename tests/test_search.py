@@ -1,7 +1,9 @@
-"""Planner search: its bounds hold for the step model (every knob, recompute count and cut); per-stage
-recomputation; status and bound are honest; fix; errors; determinism."""
+"""Planner search: the default search equals brute force over everything the runtime runs (random small instances,
+heterogeneous and memory-tight ones); its bounds hold for the step model; status and bound are honest; fix; errors;
+determinism; time limit."""
 
 import functools
+import math
 import random
 import sys
 from dataclasses import replace
@@ -11,10 +13,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _brute_force import counts, cuts, knobs  # noqa: E402
+from _brute_force import brute_force, counts, cuts, knobs, structures  # noqa: E402
 from _toy_step import ToyConfig, toy_estimate, toy_workload  # noqa: E402
 
-from costmodel.analytic import gpt_workload, llama_workload  # noqa: E402
+from costmodel.analytic import gpt_workload, llama_workload, transformer_workload  # noqa: E402
 from costmodel.errors import ConfigError, InfeasiblePlanError  # noqa: E402
 from costmodel.hardware import Cluster  # noqa: E402
 from costmodel.profiles import make_cluster  # noqa: E402
@@ -24,9 +26,96 @@ from planner.search import driver  # noqa: E402
 from planner.search import space as sp  # noqa: E402
 
 
+# --- random small instances --------------------------------------------------------------------------------
+
+
 def _with_memory(cluster, gb):
     groups = tuple(replace(g, node=replace(g.node, gpu=replace(g.node.gpu, memory_gb=gb))) for g in cluster.groups)
     return replace(cluster, groups=groups)
+
+
+def _instance(rng):
+    """A random transformer, cluster (one or two node types; often memory-tight: device memory between what
+    full recomputation and none need on a plain data-parallel configuration) and global batch."""
+    heads = rng.choice([4, 8])
+    wl = transformer_workload(
+        layers=rng.choice([2, 3, 4]), hidden=rng.choice([512, 1024, 2048]), heads=heads,
+        kv_heads=rng.choice([k for k in (1, 2, 4, 8) if heads % k == 0]), vocab=rng.choice([1000, 8000, 32000]),
+        seq=rng.choice([1024, 2048, 4096]), glu=rng.random() < 0.5, tied_embeddings=rng.random() < 0.5,
+        bias=rng.random() < 0.5, name="random")
+    gpn = rng.choice([1, 2, 4])
+    if rng.random() < 0.25:
+        a, h = make_cluster("dgx-a100-80gb", 1, gpus_per_node=gpn), make_cluster("dgx-h100", 1, gpus_per_node=gpn)
+        cl = Cluster(name="a100+h100", groups=(a.groups[0], h.groups[0]))
+    else:
+        cl = make_cluster(rng.choice(["dgx-a100-80gb", "pcie-8xa100", "dgx-h100", "pcie-8xl40s"]), rng.choice([1, 2]),
+                          gpus_per_node=gpn)
+    gb = rng.choice([1, 2, 4])
+    n = cl.num_devices
+    if rng.random() < 0.6 and gb % n == 0:
+        mem = [estimate_step(wl, ParallelConfig(dp=n, microbatch=gb // n, global_batch=gb, recompute=r,
+                                                zero_stage=3 if n > 1 else 0), cl).memory_gb_per_device
+               for r in ("full", "none")]
+        cl = _with_memory(cl, rng.uniform(mem[0], mem[1]) * (0.5 if rng.random() < 0.1 else 1.0))
+    return wl, cl, gb
+
+
+def _size(wl, cl, gb):
+    """Configurations the brute force prices (every structure, knobs, cut and recompute count)."""
+    return sum(1 for s in structures(wl, cl, gb) for k in knobs(wl, s) for c in cuts(wl, s.pp * s.virtual_stages)
+               for _ in (counts(wl, c) if k.recompute != "none" else [None]))
+
+
+def _instances(seed, n, most):
+    rng, out = random.Random(seed), []
+    while len(out) < n:
+        case = _instance(rng)
+        if 0 < _size(*case) <= most:
+            out.append(case)
+    return out
+
+
+def _check_default_search(wl, cl, gb):
+    """The default search (no options) against brute force: equal optimum when it says optimal; otherwise its
+    bound is below the optimum and its plan at least the optimum."""
+    ref = brute_force(wl, cl, gb, estimate_step)
+    if ref is None:
+        with pytest.raises(InfeasiblePlanError):
+            driver.search(workload=wl, cluster=cl, global_batch=gb)
+        return "infeasible"
+    res = driver.search(workload=wl, cluster=cl, global_batch=gb)
+    assert res.best.fits
+    assert res.bound_s <= ref.step_time_s * (1 + 1e-9) <= res.best.step_time_s * (1 + 2e-9)
+    if res.status == "optimal":
+        assert res.best.step_time_s == pytest.approx(ref.step_time_s, rel=1e-9), (
+            res.best.summary(), ref.structure.summary(), ref.knobs.summary(), ref.stage_layers)
+        assert res.proven.startswith("optimal over the whole space")
+    else:
+        assert "open" in res.proven
+    partial = ref.knobs.recompute_layers is not None and any(
+        k < n for k, n in zip(ref.knobs.recompute_layers, _recomputable(wl, ref.stage_layers)))
+    return ("partial " if partial else "") + res.status + (" pp" if ref.structure.pp > 1 else "")
+
+
+def _recomputable(wl, stage_layers):
+    out, start = [], 0
+    for n in stage_layers:
+        out.append(sum(1 for l in wl.layers[start : start + n] if l.recomputable))
+        start += n
+    return out
+
+
+def test_default_search_equals_brute_force_on_50_random_instances():
+    seen = [_check_default_search(*case) for case in _instances(2026, 50, most=4000)]
+    assert sum("optimal" in s for s in seen) >= 40  # small instances: the whole space is proven
+    assert sum("pp" in s for s in seen) >= 10 and sum("infeasible" in s for s in seen) >= 1
+    assert sum("partial" in s for s in seen) >= 1  # recomputing some layers of a stage wins somewhere
+
+
+@pytest.mark.slow
+def test_default_search_equals_brute_force_on_100_larger_instances():
+    seen = [_check_default_search(*case) for case in _instances(7, 100, most=20000)]
+    assert sum("optimal" in s for s in seen) >= 80 and sum("partial" in s for s in seen) >= 3
 
 
 # --- bounds and the step-model properties they rest on ------------------------------------------------------
@@ -196,6 +285,18 @@ def _toy_setup(mem=0.05):
     wl = toy_workload(layers=6, hidden=512, heads=8, vocab=1000, seq=256)
     cl = make_cluster("dgx-a100-80gb", 1, gpus_per_node=8)
     return wl, cl, functools.partial(toy_estimate, mem_gb=mem)
+
+
+def test_toy_search_equals_brute_force():
+    """The search against brute force under a stand-in step model (same closed forms, its own numbers)."""
+    wl = toy_workload(layers=4, hidden=512, heads=8, vocab=1000, seq=256)
+    cl = make_cluster("dgx-a100-80gb", 1, gpus_per_node=4)
+    est = functools.partial(toy_estimate, mem_gb=0.06)
+    ref = brute_force(wl, cl, 8, est, config_type=ToyConfig)
+    res = driver.search(workload=wl, cluster=cl, global_batch=8, estimate=est, config_type=ToyConfig)
+    assert res.status == "optimal" and res.best.step_time_s == pytest.approx(ref.step_time_s, rel=1e-12)
+    assert res.bound_s == res.best.step_time_s
+    assert res.best.knobs.recompute_layers is not None  # memory-tight: some layers recompute
 
 
 def test_open_structures_make_the_status_feasible_with_their_least_bound():
