@@ -1,6 +1,6 @@
 """Planner search: the default search equals brute force over everything the runtime runs (random small instances,
 heterogeneous and memory-tight ones); its bounds hold for the step model; status and bound are honest; fix; errors;
-determinism; time limit."""
+determinism; time limit and progress."""
 
 import functools
 import math
@@ -337,6 +337,17 @@ def test_expired_time_limit_returns_best_so_far_marked_feasible():
     assert cut.best.fits and cut.candidates_explored < full.candidates_explored
     assert cut.bound_s <= full.best.step_time_s <= cut.best.step_time_s
     assert "time limit" in cut.proven
+
+
+def test_progress_counts_structures_explored():
+    wl, cl, est = _toy_setup()
+    seen = []
+    res = driver.search(workload=wl, cluster=cl, global_batch=16, estimate=est, config_type=ToyConfig,
+                        progress=lambda phase, done, total, best: seen.append((phase, done, total)))
+    explored = [d for p, d, _ in seen if p == "explored"]
+    assert explored == list(range(1, res.candidates_explored + 1))
+    assert all(t == seen[0][2] for p, _, t in seen if p == "explored") and seen[0][2] > res.candidates_explored
+    assert ("pruned by bound", seen[0][2] - res.candidates_explored, seen[0][2]) in seen
 
 
 def test_search_is_deterministic():

@@ -301,8 +301,8 @@ def _search_cuts(ctx: _Ctx, bounds: Mapping[sp.Structure, float], st: _State) ->
                 _dp_cuts(ctx, s, st)
             if done != "done":
                 st.open[s] = done
-        if ctx.progress:
-            ctx.progress("cut search", n + 1, len(todo), st.best_s)
+            if ctx.progress:
+                ctx.progress("cut search", n + 1, len(todo), st.best_s)
 
 
 def _all_cuts(ctx: _Ctx, s: sp.Structure, st: _State, until: int | None) -> str:
@@ -437,6 +437,8 @@ def search(
     st = _State()
     stopped = _explore(ctx, order, bounds, st)
     pruned = sum(1 for s in order[stopped:] if s not in st.open)
+    if progress:
+        progress("pruned by bound", pruned, len(order), st.best_s)
     t2 = time.perf_counter()
     _search_cuts(ctx, bounds, st)
     t3 = time.perf_counter()
@@ -450,13 +452,15 @@ def search(
     return SearchResult(
         best=best, alternatives=_alternatives(pool, best, options.num_alternatives), status=status,
         bound_s=bound, candidates_explored=len(st.explored), evaluations=ctx.evaluations, refined=st.refined,
-        proven=_proven(len(structures), pruned, st, open_bounds, bounds, best),
+        proven=_proven(len(structures), st, open_bounds, bounds, best),
         time_per_phase_s={"enumerate": t1 - t0, "explore": t2 - t1, "cuts": t3 - t2},
     )
 
 
-def _proven(total: int, pruned: int, st: _State, open_bounds: list[float], bounds, best: Candidate) -> str:
+def _proven(total: int, st: _State, open_bounds: list[float], bounds, best: Candidate) -> str:
     """What the bound covers, in words."""
+    explored = set(st.explored)
+    pruned = sum(1 for s, b in bounds.items() if s not in explored and (s not in st.open or b >= best.step_time_s))
     head = (f"{total} structures x knobs x recompute counts x cuts: {len(st.explored)} explored, {pruned} "
             f"pruned by bound, uneven cuts searched for {st.refined}")
     if not open_bounds:
@@ -543,7 +547,8 @@ def plan_model(
 ):
     """Plan ``model`` (a spec string, or a ``(Workload, ModelInfo)`` pair) on ``cluster``: a ``Plan``.
 
-    ``time_limit_s`` bounds the search (anytime: the best plan so far, ``solver.status == "feasible"``);
+    ``time_limit_s`` bounds the search, which starts once the model is traced (anytime: the best plan so far,
+    ``solver.status == "feasible"``; ``solver.time_per_phase_s["trace"]`` is the trace's time);
     ``fix`` pins any choice (``{"tp": 8, "pp": 4}`` or ``"tp=8,pp=4"``). ``record_timings=False`` leaves the
     wall-clock phase times out of the plan, so that equal inputs give byte-identical plan files.
     """
@@ -561,8 +566,7 @@ def plan_model(
     if sp_tps is not None:
         options = replace(options or sp.SearchOptions(), sequence_parallel_tps=sp_tps)
     result = search(workload=loaded.workload, cluster=cluster, global_batch=global_batch, options=options,
-                    fix=fix, time_limit_s=None if time_limit_s is None else max(0.0, time_limit_s - t_trace),
-                    progress=progress)
+                    fix=fix, time_limit_s=time_limit_s, progress=progress)
     t1 = time.perf_counter()
     shardings, intra_stats = model_input.shardings_for(loaded, result.best, cluster=cluster,
                                                        global_batch=global_batch)
