@@ -146,13 +146,18 @@ def full_layer_activation_bytes(
                                       kv_heads=kv_heads, glu=glu)
 
 
-def allocator_reserve_bytes(subtotal_bytes: float, constants: MemoryConstants = DEFAULT_MEMORY) -> float:
-    """CUDA context plus the caching allocator's fragmentation share of everything else."""
+def allocator_reserve_bytes(subtotal_bytes: float, constants: MemoryConstants = DEFAULT_MEMORY, *,
+                            gpu: bool = True) -> float:
+    """On a GPU: the CUDA context (with cuBLAS / NCCL workspaces) plus the caching allocator's fragmentation
+    margin on everything else (``MemoryConstants``). A CPU rank has neither: its tensors are what it holds."""
+    if not gpu:
+        return 0.0 * subtotal_bytes
     return constants.context_bytes + constants.fragmentation * subtotal_bytes
 
 
-def memory_estimate(terms: dict[str, float], constants: MemoryConstants = DEFAULT_MEMORY) -> MemoryEstimate:
+def memory_estimate(terms: dict[str, float], constants: MemoryConstants = DEFAULT_MEMORY, *,
+                    gpu: bool = True) -> MemoryEstimate:
     """Add the allocator reserve to the other terms."""
     out = {k: float(v) for k, v in terms.items()}
-    out["allocator_reserve"] = allocator_reserve_bytes(sum(out.values()), constants)
+    out["allocator_reserve"] = allocator_reserve_bytes(sum(out.values()), constants, gpu=gpu)
     return MemoryEstimate(terms=out)
