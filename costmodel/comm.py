@@ -31,14 +31,11 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Literal
 
-from costmodel.memo import ByIdentity
+from costmodel.collectives import COLLECTIVE_OPS, ring_terms
 from costmodel.errors import ConfigError
 from costmodel.hardware import Cluster, NodeType
-
-CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv"]
-OPS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
+from costmodel.memo import ByIdentity
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -114,22 +111,9 @@ class Placement:
     """Distinct node types spanned."""
 
 
-def ring_terms(op: str, n: int) -> tuple[float, float]:
-    """(latency steps, bandwidth factor) of the ring formula for ``op`` on ``n`` ranks."""
-    if op == "all_reduce":
-        return 2.0 * (n - 1), 2.0 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):
-        return float(n - 1), (n - 1) / n
-    if op == "broadcast":
-        return float(n - 1), 1.0
-    if op == "send_recv":
-        return 1.0, 1.0
-    raise ConfigError(f"unknown collective {op!r}; use one of {', '.join(OPS)}")
-
-
 def _validate(op: str, nbytes: float, group: Group, cluster: Cluster, first_rank: int) -> None:
-    if op not in OPS:
-        raise ConfigError(f"unknown collective {op!r}; use one of {', '.join(OPS)}")
+    if op not in COLLECTIVE_OPS:
+        raise ConfigError(f"unknown collective {op!r}; use one of {', '.join(COLLECTIVE_OPS)}")
     if not isinstance(group.size, int) or not isinstance(group.stride, int) or group.size < 1 or group.stride < 1:
         raise ConfigError(f"group size={group.size!r}, stride={group.stride!r}: both must be integers >= 1")
     if not nbytes >= 0 or math.isinf(nbytes):

@@ -4,6 +4,8 @@ Every number in the profile files carries a ``source``. Files are validated on l
 ``ProfileError`` naming the file, the table and key, and the allowed values. The built-in files are read
 once per process (an ``lru_cache`` of immutable results keyed by directory).
 
+``load_calibration`` reads a calibration file (JSON or TOML) written by ``autopar calibrate``.
+
 Cluster specs accepted by ``resolve_cluster``: a node type name (``dgx-a100-80gb``) times ``nodes``;
 ``local`` (CPU processes on this machine; uses a calibration when given); a ``.toml`` cluster file with
 ``[[groups]]`` of node types (heterogeneous clusters), optionally defining its own ``[nodes.*]`` and
@@ -13,6 +15,7 @@ Cluster specs accepted by ``resolve_cluster``: a node type name (``dgx-a100-80gb
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import tomllib
 from dataclasses import dataclass, replace
@@ -20,7 +23,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from costmodel.calibration import Calibration, load_calibration, shared_by
+from costmodel.calibration import Calibration, calibration_from_dict, shared_by
 from costmodel.errors import ProfileError
 from costmodel.hardware import (
     DTYPES,
@@ -212,6 +215,25 @@ def load_profiles(directory: str | None = None) -> ProfileDB:
     return parse_profiles(
         accelerators=sections[0], links=sections[1], nodes=sections[2], files=tuple(str(p) for p in paths)
     )
+
+
+def load_calibration(path: str | Path) -> Calibration:
+    """Read and validate a calibration file (JSON, or TOML for ``.toml``); errors name the file and key."""
+    path = Path(path)
+    if not path.is_file():
+        raise ProfileError(f"calibration file {str(path)!r} does not exist; create one with `autopar calibrate --out {path}`")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ProfileError(f"{path}: not a text file (byte {e.start} is not UTF-8); give the JSON or TOML file "
+                           "that `autopar calibrate --out` wrote") from None
+    try:
+        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ProfileError(f"{path}: invalid TOML: {e}") from None
+    except json.JSONDecodeError as e:
+        raise ProfileError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+    return calibration_from_dict(data, where=str(path))
 
 
 # ------------------------------------------------------------------------------------------- lookups

@@ -7,7 +7,8 @@ import math
 import pytest
 
 from costmodel.calibration import Calibration, CollectiveFit
-from costmodel.comm import CommEfficiency, Group, collective_time_s, place, ring_terms
+from costmodel.collectives import ring_terms
+from costmodel.comm import CommEfficiency, Group, collective_time_s, place
 from costmodel.errors import ConfigError
 from costmodel.profiles import load_cluster_file, make_cluster, PROFILES_DIR
 

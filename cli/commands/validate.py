@@ -147,7 +147,7 @@ def _label(plan) -> str:
 def _calibrate(args: argparse.Namespace) -> Path:
     import tempfile
 
-    from costmodel.calibration import save_calibration
+    from cli.calibration_file import save_calibration
     from cli.commands.calibrate import dispatch_model
     from runtime.calibrate import run_calibration
 
@@ -160,7 +160,7 @@ def _calibrate(args: argparse.Namespace) -> Path:
 def run(args: argparse.Namespace) -> int:
     import os
 
-    from costmodel.calibration import load_calibration
+    from costmodel.profiles import load_calibration
     from costmodel.errors import ConfigError
     from runtime.validate import measure_plan
 
