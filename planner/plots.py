@@ -5,7 +5,7 @@
 - ``plot_breakdown``: stacked bars of where each cluster's step time goes (compute, exposed communication per
   link kind, pipeline bubble, optimizer, ...).
 - ``plot_pareto``: time against cost to train, the Pareto-optimal clusters joined and named.
-- ``plot_gantt``: one plan's pipeline schedule as ``costmodel.pipeline.schedule_events`` simulates it (the
+- ``plot_gantt``: one plan's pipeline schedule as ``costmodel.pipeline.simulate`` simulates it (the
   order torch.distributed.pipelining executes): forward / backward / weight-gradient per stage and micro-batch
   on a grey idle background, so bubbles show; and a memory bar per stage.
 
@@ -18,6 +18,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from costmodel.pipeline import simulate
 from planner.plan import Plan
 
 _KIND_COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
@@ -209,12 +210,11 @@ def plan_chunk_times(plan: Plan) -> tuple[list[float], list[float], list[float]]
 
 def plot_gantt(plan: Plan, path: str | Path, *, max_microbatch_labels: int = 64) -> Path:
     """The plan's pipeline schedule per stage and micro-batch, and the memory of each stage."""
-    from costmodel.pipeline import schedule_events
 
     plt = _pyplot()
     s, pp = plan.schedule, plan.degrees.pp
     tf, tb, tw = plan_chunk_times(plan)
-    events = schedule_events(s.name, pp=pp, num_microbatches=s.num_microbatches, virtual_stages=s.virtual_stages,
+    events = simulate(s.name, pp=pp, num_microbatches=s.num_microbatches, virtual_stages=s.virtual_stages,
                              t_fwd_s=tf, t_bwd_s=tb, t_wgrad_s=tw)
     end_s = max(e.end_s for e in events)
     unit, scale = ("ms", 1e3) if end_s < 10 else ("s", 1.0)

@@ -1,4 +1,4 @@
-"""Collective formulas against hand-computed cases (FORMULAS.md "Collectives"), placement, NIC sharing."""
+"""Collective formulas (``costmodel.comm`` docstring) against hand-computed cases, placement, NIC sharing."""
 
 from __future__ import annotations
 

@@ -57,7 +57,7 @@ def _wrap_body(rank: int, world_size: int, tmp: str) -> dict:
     real = materialize(rc.opt_model(), seed=0)
     pm3 = auto_wrap(real, None, loss_fn=rc.loss_fn, plan=manual_plan(real, dp=2, zero_stage=3, microbatch_size=2))
     out["real_model_run"] = rc.parallel_run(pm3, 4)
-    # a pipelined plan goes through runtime.pipeline (engineer R2), with the same step()
+    # a pipelined plan goes through runtime.pipeline, with the same step()
     pp_model = rc.opt_model()
     pm4 = auto_wrap(
         pp_model, None, loss_fn=rc.loss_fn,
