@@ -78,7 +78,7 @@ def test_cli_usage_errors(capsys):
     assert e.value.code == 2
     assert "sweep axis 'nodes' has no values" in capsys.readouterr().err
     rc = main(["whatif", "--model", "gpt2", "--global-batch", "8", "--sweep", "gpu=z9000"])
-    assert rc == 1
+    assert rc == 2
     err = capsys.readouterr().err
     assert "unknown accelerator 'z9000'" in err and "A100-SXM4-80GB" in err
 
