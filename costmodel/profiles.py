@@ -14,6 +14,7 @@ Cluster specs accepted by ``resolve_cluster``: a node type name (``dgx-a100-80gb
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
 import logging
@@ -251,14 +252,35 @@ def list_links() -> list[str]:
     return sorted(load_profiles().links)
 
 
-def get_accelerator(name: str, *, db: ProfileDB | None = None) -> Accelerator:
-    """By name or alias, case-insensitive; unknown -> ProfileError listing the known names."""
-    db = db or load_profiles()
+def _accelerator_named(name: str, db: ProfileDB) -> Accelerator | None:
     wanted = name.strip().lower()
     for accel in db.accelerators.values():
         if wanted == accel.name.lower() or wanted in (a.lower() for a in accel.aliases):
             return accel
-    raise ProfileError(f"unknown accelerator {name!r}; known: {', '.join(sorted(db.accelerators))}")
+    return None
+
+
+def _node_named(name: str, db: ProfileDB) -> NodeType | None:
+    wanted = name.strip().lower()
+    return next((node for node in db.nodes.values() if node.name.lower() == wanted), None)
+
+
+def _close_matches(name: str, db: ProfileDB) -> str:
+    names = [*db.accelerators, *(a for acc in db.accelerators.values() for a in acc.aliases), *db.nodes]
+    close = difflib.get_close_matches(name.strip().lower(), [n.lower() for n in names], n=3, cutoff=0.6)
+    return f" (did you mean {', '.join(close)}?)" if close else ""
+
+
+def get_accelerator(name: str, *, db: ProfileDB | None = None) -> Accelerator:
+    """By name or alias (``profiles/accelerators.toml``), or by a node type's name (its accelerator: ``dgx-h100``
+    is ``H100-SXM5-80GB``), case-insensitive; unknown -> ProfileError with close matches and the known names."""
+    db = db or load_profiles()
+    accel = _accelerator_named(name, db)
+    node = None if accel is not None else _node_named(name, db)
+    if accel is not None or node is not None:
+        return accel if accel is not None else node.gpu
+    raise ProfileError(f"unknown accelerator {name!r}{_close_matches(name, db)}; known: "
+                       f"{', '.join(sorted(db.accelerators))} (their aliases, or a node type's name)")
 
 
 def get_link(name: str, *, db: ProfileDB | None = None) -> Link:
@@ -270,11 +292,23 @@ def get_link(name: str, *, db: ProfileDB | None = None) -> Link:
 
 
 def get_node_type(name: str, *, db: ProfileDB | None = None) -> NodeType:
+    """By name (``profiles/nodes.toml``), or by an accelerator's name or alias: the node type built of it
+    (``h100`` and ``H100-SXM5-80GB`` are ``dgx-h100``), case-insensitive."""
     db = db or load_profiles()
-    for node in db.nodes.values():
-        if node.name.lower() == name.strip().lower():
-            return node
-    raise ProfileError(f"unknown node type {name!r}; known: {', '.join(sorted(db.nodes))}, or a cluster .toml file")
+    node = _node_named(name, db)
+    if node is not None:
+        return node
+    accel = _accelerator_named(name, db)
+    if accel is None:
+        raise ProfileError(f"unknown node type {name!r}{_close_matches(name, db)}; known: "
+                           f"{', '.join(sorted(db.nodes))}, an accelerator they hold, or a cluster .toml file")
+    nodes = sorted(n.name for n in db.nodes.values() if n.gpu.name == accel.name)
+    if len(nodes) != 1:
+        have = f"several node types hold it: {', '.join(nodes)}; name one" if nodes else (
+            f"no node type in profiles/nodes.toml holds it; name one of {', '.join(sorted(db.nodes))}, or sweep it "
+            f"with `autopar whatif --sweep gpu={accel.name}`")
+        raise ProfileError(f"{name!r} is the accelerator {accel.name}: {have}")
+    return db.nodes[nodes[0]]
 
 
 # ------------------------------------------------------------------------------------------- clusters
@@ -319,16 +353,17 @@ def local_node_type(*, gpus_per_node: int, calibration: Calibration | None = Non
 def make_cluster(
     node_type: str, nodes: int, *, gpus_per_node: int | None = None, calibration: Calibration | None = None
 ) -> Cluster:
-    """``nodes`` nodes of ``node_type`` (a name from ``profiles/nodes.toml`` or ``local``)."""
+    """``nodes`` nodes of ``node_type`` (a name from ``profiles/nodes.toml``, ``local``, or an accelerator's name
+    or alias: the node type that holds it)."""
     nodes = _positive_int(nodes, "nodes", "pass --nodes N with N >= 1")
     if gpus_per_node is not None:
         _positive_int(gpus_per_node, "gpus_per_node", "pass --gpus-per-node N with N >= 1")
-    if node_type.strip().lower() == LOCAL:
-        gpn = gpus_per_node or get_node_type(LOCAL).gpus_per_node
+    node = get_node_type(node_type)  # a node type, or an accelerator's name or alias
+    if node.name == LOCAL:
+        gpn = gpus_per_node or node.gpus_per_node
         calibration = shared_by(calibration, gpn) if calibration is not None else None
         node = local_node_type(gpus_per_node=gpn, calibration=calibration)
     else:
-        node = get_node_type(node_type)
         if gpus_per_node is not None and gpus_per_node != node.gpus_per_node:
             node = replace(node, gpus_per_node=gpus_per_node, nics_per_node=max(1, node.nics_per_node * gpus_per_node // node.gpus_per_node))
     return Cluster(name=f"{nodes}x{node.name}", groups=(NodeGroup(node=node, count=nodes),), calibration=calibration)
