@@ -65,6 +65,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ProfileError(f"profile file {str(path)!r} does not exist") from None
     except tomllib.TOMLDecodeError as e:  # message carries "(at line L, column C)"
         raise ProfileError(f"{path}: invalid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ProfileError(f"{path}: not a TOML file (byte {e.start} is not UTF-8 text)") from None
 
 
 class _Table:

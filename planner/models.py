@@ -12,7 +12,8 @@ Spec forms (see ``list_presets()`` for the preset names):
   ``llama:layers=..,hidden=..,ffn=..,heads=..,kv_heads=..,vocab=..,seq=..``,
   ``mixtral:layers=..,hidden=..,ffn=..,heads=..,kv_heads=..,vocab=..,seq=..,experts=8,topk=2``;
 - a path to a Hugging Face ``config.json`` (or a directory holding one): the causal-LM class of its
-  ``model_type``, random init, nothing downloaded;
+  ``model_type``, random init, nothing downloaded; the sequence length is the config's
+  ``max_position_embeddings`` (Qwen2: 131,072) unless ``seq`` says otherwise;
 - ``module.path:function``: user code returning ``(model, example_inputs)``; the function may accept
   ``batch`` and ``seq`` keyword arguments.
 
@@ -25,6 +26,7 @@ Every problem with a spec raises ``ConfigError`` naming the value and the allowe
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 import json
@@ -349,8 +351,13 @@ def _hf_config_dims(spec: str) -> tuple[ModelDims, Callable]:
     if not isinstance(data, dict) or "model_type" not in data:
         raise ConfigError(f"{path}: no 'model_type' key; a Hugging Face config.json names its model_type")
     from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     kind = data.pop("model_type")
+    if kind not in CONFIG_MAPPING_NAMES:
+        close = difflib.get_close_matches(str(kind), list(CONFIG_MAPPING_NAMES), n=5, cutoff=0.6)
+        hint = f"close matches: {', '.join(close)}" if close else "check the spelling"
+        raise ConfigError(f"{path}: model_type {kind!r} is unknown to transformers; {hint}")
     try:
         cfg = AutoConfig.for_model(kind, **data)
     except ValueError as e:
@@ -365,7 +372,7 @@ def _hf_config_dims(spec: str) -> tuple[ModelDims, Callable]:
         arch="hf", layers=g("num_hidden_layers", "n_layer"), hidden=hidden, heads=heads,
         kv_heads=g("num_key_value_heads", default=heads), ffn_hidden=g("intermediate_size", "ffn_dim", "n_inner",
                                                                        default=4 * hidden),
-        vocab=g("vocab_size"), seq=min(g("max_position_embeddings", "n_positions", default=2048), 8192),
+        vocab=g("vocab_size"), seq=g("max_position_embeddings", "n_positions", default=2048),  # --seq overrides
         experts=experts, topk=g("num_experts_per_tok", "top_k") if experts else 0,
         glu=hasattr(text, "hidden_act") and "gelu" not in str(getattr(text, "hidden_act", "")),
         tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
