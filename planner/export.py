@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
+import tomli_w
+
 from costmodel.errors import ConfigError
 from planner.plan import Plan
 
@@ -146,16 +148,6 @@ _TITAN_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Inter
                     "zero-bubble": "InterleavedZeroBubble"}
 
 
-def _toml_value(v: object) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    return str(v)
-
-
 def _torchtitan(plan: Plan) -> ExportResult:
     d, s = plan.degrees, plan.schedule
     notes: list[str] = []
@@ -192,11 +184,8 @@ def _torchtitan(plan: Plan) -> ExportResult:
                 "seq_len": plan.model.seq_len, "mixed_precision_param": "bfloat16"}
     notes += _common_notes(plan, heaviest, mixed)
     sections = {"parallelism": par, "activation_checkpoint": ac, "training": training}
-    lines = [f"# {plan.model.name} on {plan.cluster.name}: {d.world_size} ranks"]
-    for name, body in sections.items():
-        lines.append(f"\n[{name}]")
-        lines += [f"{k} = {_toml_value(v)}" for k, v in body.items()]
-    return ExportResult(target="torchtitan", text="\n".join(lines) + "\n", unsupported=notes)
+    text = f"# {plan.model.name} on {plan.cluster.name}: {d.world_size} ranks\n\n" + tomli_w.dumps(sections)
+    return ExportResult(target="torchtitan", text=text, unsupported=notes)
 
 
 def _split_points(plan: Plan) -> list[str]:
