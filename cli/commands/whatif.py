@@ -73,7 +73,8 @@ class _Progress:
 
 def _cell(column: str, v) -> str:
     """One table cell, as ``autopar plan`` prints numbers: tokens/s whole with thousands separators, MFU in
-    percent, GB to 0.1, dollars to the cent (3 digits below a dollar); missing values as '-'."""
+    percent, GB and days to 0.1, dollars whole from $1,000, to the cent below, 3 digits below $1; missing
+    values as '-'."""
     import pandas as pd
 
     if v is None or (not isinstance(v, str) and pd.isna(v)):
@@ -85,7 +86,7 @@ def _cell(column: str, v) -> str:
     if column in ("memory_gb", "memory_gb_needed", "train_days"):
         return f"{v:,.1f}"
     if column in ("usd_per_mtok", "train_cost_usd"):
-        return f"${v:,.2f}" if v >= 1 else f"${v:.3g}"
+        return f"${v:,.0f}" if v >= 1000 else f"${v:,.2f}" if v >= 1 else f"${v:.3g}"
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
