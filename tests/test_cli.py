@@ -125,10 +125,10 @@ def test_export_of_planner_plans(plans, capsys):
     out = capsys.readouterr().out
     assert f"--tensor-model-parallel-size {plan.degrees.tp}" in out
     assert f"--pipeline-model-parallel-size {plan.degrees.pp}" in out
-    assert main(["export", str(plans["pp2"]), "--to", "torchtitan"]) == EXIT_OK
-    import tomllib
-
-    assert tomllib.loads(capsys.readouterr().out)["parallelism"]["pipeline_parallel_degree"] == 2
+    plan = load_plan(plans["pp2"])
+    assert main(["export", str(plans["pp2"]), "--to", "deepspeed", "--force"]) == EXIT_OK
+    cfg = json.loads(capsys.readouterr().out)
+    assert cfg["zero_optimization"]["stage"] == plan.zero_stage and cfg["train_batch_size"] == plan.global_batch
 
 
 def test_explain_json_and_gantt_share_one_bubble_figure(plans, tmp_path, capsys, monkeypatch):
