@@ -21,7 +21,7 @@ def plans(tmp_path_factory):
     """Two planner-made plans of one model: pp=2 1F1B over 4 micro-batches, and tp=2 x pp=2 with recomputation."""
     root = tmp_path_factory.mktemp("plans")
     out = {}
-    for name, fix in (("pp2", "pp=2,mb=1,schedule=1f1b"), ("tp2pp2", "tp=2,pp=2,mb=1,recompute=full")):
+    for name, fix in (("pp2", "pp=2,mb=1,schedule=1f1b"), ("tp2pp2", "tp=2,pp=2,mb=1,schedule=1f1b,recompute=full")):
         path = root / f"{name}.json"
         assert main(["plan", "--model", TINY, *ON_4_A100, "--fix", fix, "--out", str(path), "--reproducible"]) == 0
         out[name] = path
