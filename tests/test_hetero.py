@@ -113,10 +113,10 @@ def test_hetero_plan_beats_slowest_gpu_pricing():
     """Llama-3-8B on 4 DGX-A100 + 2 DGX-H100 (the profiles' hetero cluster): the H100 pipeline rank gets more
     layers than the A100 ranks, and the plan is faster than the best plan on 6 DGX-A100 nodes (which is what
     pricing every stage on the slowest GPU amounted to)."""
-    from costmodel.profiles import load_cluster_file
+    from costmodel.profiles import PROFILES_DIR, load_cluster_file
 
     wl = llama_workload(layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, vocab=128256, seq=8192)
-    hetero = load_cluster_file("profiles/clusters/hetero-a100-h100.toml")
+    hetero = load_cluster_file(PROFILES_DIR / "clusters" / "hetero-a100-h100.toml")
     res = driver.search(workload=wl, cluster=hetero, global_batch=64, fix="pp=3")
     best = res.best
     assert best.estimate.stage_device[-1] == "H100-SXM5-80GB"
