@@ -1,6 +1,6 @@
 """Memory per device: model states by ZeRO stage, activations by recomputation, buffers, allocator reserve.
 
-Model states under mixed-precision Adam (Rajbhandari et al., ZeRO, SC20; FORMULAS.md): per parameter 2 bytes
+Model states under mixed-precision Adam (Rajbhandari et al., ZeRO, SC20): per parameter 2 bytes
 bf16 weights + 2 bytes gradients + 12 bytes fp32 master weights, momentum and variance. Over a data-parallel
 group of ``d``: ZeRO-0 ``16 P``; ZeRO-1 ``4 P + 12 P / d``; ZeRO-2 ``2 P + 14 P / d``; ZeRO-3 ``16 P / d``
 (``P`` = the parameters of the device's model-parallel shard).

@@ -47,7 +47,8 @@ from costmodel.memo import ByIdentity
 from costmodel.rank_groups import rank_clusters, slowest_device
 from costmodel import memory as mem
 from costmodel import pipeline as pl
-from costmodel.comm import CommEfficiency, DEFAULT_EFFICIENCY, Group, collective_time_s, ring_terms
+from costmodel.collectives import ring_terms
+from costmodel.comm import CommEfficiency, DEFAULT_EFFICIENCY, Group, collective_time_s
 from costmodel.compute import op_time_s
 from costmodel.errors import ConfigError
 from costmodel.hardware import Cluster

@@ -30,12 +30,6 @@ KNOWN_CIRCLES: dict[frozenset[str], str] = {
     frozenset({"runtime.calibrate", "runtime.calibrate_collectives"}): "issue 13",
     # Issue 13 (runtime part: one apply_plan, ParallelModel in its own file) removes it.
     frozenset({"runtime.expert_parallel", "runtime.wrap"}): "issue 13",
-    # Issue 13 ("planner <-> search/driver <-> search/model_input"): model_input takes make_config from driver
-    # inside a function, driver calls model_input inside plan_model; the lead's cost-path rewrite removes it.
-    frozenset({"planner.search.driver", "planner.search.model_input"}): "issue 13",
-    # Issue 13 (no circle in costmodel), made by issue 10's one cost path: workload names the BlockCoster type
-    # (under TYPE_CHECKING) from block_cost, which takes LayerWork from workload and StepConstants from step_config.
-    frozenset({"costmodel.block_cost", "costmodel.step_config", "costmodel.workload"}): "issue 13",
 }
 """Circles still there, each with the issue that removes it; a listed circle that is gone fails the test too."""
 
