@@ -47,7 +47,8 @@ from costmodel.memo import ByIdentity
 from costmodel.rank_groups import rank_clusters, slowest_device
 from costmodel import memory as mem
 from costmodel import pipeline as pl
-from costmodel.comm import CommEfficiency, DEFAULT_EFFICIENCY, Group, collective_time_s, ring_terms
+from costmodel.collectives import ring_terms
+from costmodel.comm import CommEfficiency, DEFAULT_EFFICIENCY, Group, collective_time_s
 from costmodel.compute import op_time_s
 from costmodel.errors import ConfigError
 from costmodel.hardware import Cluster
@@ -501,9 +502,11 @@ def _inflight(schedule: str, pp: int, m: int, v: int) -> np.ndarray:
 
 
 def _memory(workload: Workload, cfg: ParallelConfig, ch: dict[str, np.ndarray], dense: np.ndarray,
-            expert: np.ndarray, m: int, mc: mem.MemoryConstants) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """Memory terms per pipeline rank (arrays of bytes) and the totals with the allocator reserve, from the
-    chunk arrays ``ch`` (the coster's bytes per block, summed or maxed per chunk)."""
+            expert: np.ndarray, m: int, mc: mem.MemoryConstants, gpu: np.ndarray
+            ) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Memory terms per pipeline rank (arrays of bytes) and the totals with the allocator reserve (on the
+    ranks whose device is a GPU: ``gpu``), from the chunk arrays ``ch`` (the coster's bytes per block, summed
+    or maxed per chunk)."""
     w, pp, v = workload, cfg.pp, cfg.virtual_stages
     inflight = _inflight(cfg.schedule, pp, m, v)
     terms = mem.model_state_bytes(params=dense, zero_stage=cfg.zero_stage, dp=cfg.dp * cfg.cp, constants=mc)
@@ -520,7 +523,7 @@ def _memory(workload: Workload, cfg: ParallelConfig, ch: dict[str, np.ndarray], 
         buffers = buffers + 2.0 * _per_rank(ch["maxparams"], v, pp, "max") * mc.weight_bytes
     terms["comm_buffers"] = buffers
     subtotal = sum(terms.values())
-    terms["allocator_reserve"] = mem.allocator_reserve_bytes(subtotal, mc)
+    terms["allocator_reserve"] = np.where(gpu, mem.allocator_reserve_bytes(subtotal, mc), 0.0)
     return terms, subtotal + terms["allocator_reserve"]
 
 
@@ -597,7 +600,8 @@ def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_l
         breakdown[key] = breakdown.get(key, 0.0) + dp["exposed_s"]
     breakdown["optimizer"] = dp["optimizer_s"]
     step_s = pipe["total_s"] + dp["exposed_s"] + dp["optimizer_s"]
-    terms, totals = _memory(workload, cfg, pipe["chunks"], dense, expert, m, mc)
+    gpu = np.array([slowest_device(clusters[_class_of(classes, r)]).kind == "gpu" for r in range(cfg.pp)])
+    terms, totals = _memory(workload, cfg, pipe["chunks"], dense, expert, m, mc, gpu)
     worst = int(np.argmax(totals))
     worst_mem = mem.MemoryEstimate(terms={key: float(val[worst]) for key, val in terms.items()})
     part_gb = [min(g.node.gpu.memory_bytes for g in part.groups) / mem.GB for part in clusters]

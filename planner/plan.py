@@ -240,9 +240,12 @@ def load_plan(path: str | Path) -> Plan:
     """Read and validate a plan file; every problem becomes a ``PlanMismatchError`` naming the file."""
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_bytes().decode("utf-8")
     except OSError as e:
         raise PlanMismatchError(f"cannot read plan file {p}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise PlanMismatchError(f"{p}: not a plan file (byte {e.start} is not UTF-8 text); give the JSON that "
+                                "`autopar plan --out` wrote") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:

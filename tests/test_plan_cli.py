@@ -57,7 +57,7 @@ def test_summary_has_degrees_schedule_throughput_memory():
 def test_explain_bad_file_is_a_typed_error(tmp_path, capsys):
     f = tmp_path / "bad.json"
     f.write_text("{")
-    assert main(["explain", str(f)]) == 1
+    assert main(["explain", str(f)]) == 2
     assert "not valid JSON" in capsys.readouterr().err
 
 
@@ -98,7 +98,7 @@ def test_plan_json_fix_and_reproducible_output(capsys):
 def test_plan_bad_batch_names_nearest_valid_values(capsys):
     rc = main(["plan", "--model", TINY, "--cluster", "dgx-a100-80gb", "--gpus-per-node", "4", "--global-batch", "7",
                "--fix", "tp=1,pp=1"])
-    assert rc == 1
+    assert rc == 2
     err = capsys.readouterr().err
     assert "global_batch=7" in err and "nearest valid global batches: [8, 4]" in err
 

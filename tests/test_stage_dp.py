@@ -73,17 +73,14 @@ def test_too_many_stages_is_a_typed_error():
         solve_stages(p)
 
 
-def test_large_instance_is_fast():
-    import time
-
+def test_large_instance_cuts_every_layer():
+    """130 layers on 64 stages (its speed: ``python -m benchmarks.stage_dp_speed``)."""
     L, S = 130, 64
     p = make_problem(layer_time_s=[0.2] + [1.0] * (L - 2) + [0.4], layer_static_bytes=[1.0] * L,
                      layer_act_bytes=[0.1] * L, num_stages=S, num_microbatches=96,
                      inflight=[float(S - s) for s in range(S)], memory_limit_bytes=10.0)
-    t0 = time.perf_counter()
     sol = solve_stages(p)
-    assert time.perf_counter() - t0 < 2.0
-    assert sum(sol.stage_layers) == L
+    assert sum(sol.stage_layers) == L and len(sol.stage_layers) == S and min(sol.stage_layers) >= 1
 
 
 # --- layer counts per chunk for interleaved / zero-bubble pipelines (planner.search.interleaved_dp) -----------

@@ -29,10 +29,6 @@ def cluster_info(cluster: Any) -> ClusterInfo:
     )
 
 
-def flops_per_step(workload: Any, global_batch: int) -> float:
-    return float((workload.flops_fwd_per_seq + workload.flops_bwd_per_seq) * global_batch)
-
-
 def _intra_op_stats(stats: Mapping[str, Any]) -> dict[str, float]:
     out = {k: float(stats[k]) for k in ("blocks", "distinct_solutions", "max_gap") if k in stats}
     out.update({status: float(n) for status, n in sorted(dict(stats.get("statuses", {})).items())})

@@ -568,8 +568,8 @@ def plan_model(
     result = search(workload=loaded.workload, cluster=cluster, global_batch=global_batch, options=options,
                     fix=fix, time_limit_s=time_limit_s, progress=progress)
     t1 = time.perf_counter()
-    shardings, intra_stats = model_input.shardings_for(loaded, result.best, cluster=cluster,
-                                                       global_batch=global_batch)
+    best_config = make_config(result.best.structure, result.best.knobs, global_batch=global_batch)
+    shardings, intra_stats = model_input.shardings_for(loaded, result.best, cluster=cluster, config=best_config)
     t_intra = time.perf_counter() - t1
     phases = {"trace": t_trace, **result.time_per_phase_s, "intra_op": t_intra}
     log.info("planned %s: %s, %.4f s/step (%s; %s)", loaded.model_info.name, result.best.summary(),
