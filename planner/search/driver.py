@@ -3,13 +3,14 @@
 Phases (each timed in ``SearchResult.time_per_phase_s``):
 
 1. ``enumerate``: ``space.enumerate_structures`` lists every structure (tp, cp, ep, pp, dp, every micro-batch
-   size dividing ``global_batch / dp``, schedule, up to ``layers / pp`` virtual stages). Each gets a lower bound
-   valid for every cut, knob and recompute count: ``bounds.structure_bound_s`` on the layer costs read off one
-   estimate per (tp, cp, ep, micro-batch, sequence parallel) group (per pp too on a heterogeneous cluster), at
-   least the perfect-compute bound ``space.step_time_lower_bound_s``. Structures are sorted by it.
-2. ``explore``: branch and bound with even cuts: each structure gets its best knobs (``knobs.best_knobs``:
-   ZeRO, sequence parallel, recomputation and its per-chunk layer counts) until a structure's bound reaches the
-   best step time found; the later ones cannot win (pruned).
+   size dividing ``global_batch / dp``, schedule, up to ``layers / pp`` virtual stages), each with the
+   perfect-compute bound ``space.step_time_lower_bound_s``.
+2. ``explore``: branch and bound, the least bound first. A structure reached with its cheap bound gets the
+   tight one, valid for every cut, knob and recompute count (``bounds.structure_bound_s`` on the layer costs
+   read off one estimate per (tp, cp, ep, micro-batch, sequence parallel) group, per pp too on a heterogeneous
+   cluster) and goes back in line; reached with it, it is priced with even cuts and its best knobs
+   (``knobs.best_knobs``: ZeRO, sequence parallel, recomputation and its per-chunk layer counts), until the least
+   bound left reaches the best step time found: nothing left can win (pruned).
 3. ``cuts``: every explored pipeline whose bound is below the best step time: every cut whose own bound is
    below it (``bounds.rank_counts_below``) is priced with its own knobs, best bound first; the best step time
    falls as cuts win, which prunes the rest. With more than ``cut_vectors_limit`` count vectors to look at, or
@@ -26,6 +27,7 @@ Same inputs give the same plan: every loop runs in a fixed order and ties break 
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import math
@@ -257,16 +259,25 @@ class _State:
                 self.per_structure[s] = lean
 
 
-def _explore(ctx: _Ctx, order: list[sp.Structure], bounds: Mapping[sp.Structure, float], st: _State) -> int:
-    """Branch and bound over structures in bound order, even cuts. Returns the index where it stopped."""
-    total = len(order)
-    for n, s in enumerate(order):
-        if st.best is not None and bounds[s] >= st.best_s:
-            return n  # sorted by bound: nothing later can win
+def _explore(ctx: _Ctx, bounds: dict[sp.Structure, float], st: _State) -> None:
+    """Branch and bound over structures in bound order, even cuts. ``bounds`` starts with the perfect-compute
+    bound and is tightened (``_sp_bounds``: one estimate per group) only for the structures the loop reaches,
+    so groups whose structures the cheap bound already prunes are never priced."""
+    total = len(bounds)
+    heap = [(b, 1, s) for s, b in bounds.items()]
+    heapq.heapify(heap)
+    while heap:
+        b, loose, s = heapq.heappop(heap)
+        if st.best is not None and b >= st.best_s:
+            return  # every bound left is at least this one: nothing can win
         if st.best is not None and ctx.expired():
-            for rest in order[n:]:
+            for _, _, rest in [(b, loose, s)] + heap:
                 st.open[rest] = "time"
-            return n
+            return
+        if loose:
+            bounds[s] = max(b, min(_sp_bounds(ctx, s).values()))
+            heapq.heappush(heap, (bounds[s], 0, s))
+            continue
         cuts = ctx.even_cuts(s)
         cut_bounds = _sp_bounds(ctx, s, cuts)
         cand, tried = best_knobs(ctx, s, cuts, best_s=st.best_s, bound_s=cut_bounds)
@@ -276,7 +287,6 @@ def _explore(ctx: _Ctx, order: list[sp.Structure], bounds: Mapping[sp.Structure,
         st.offer(s, cand, tried)
         if ctx.progress:
             ctx.progress("explored", len(st.explored), total, st.best_s)
-    return total
 
 
 def _search_cuts(ctx: _Ctx, bounds: Mapping[sp.Structure, float], st: _State) -> None:
@@ -424,21 +434,13 @@ def search(
     if not structures:
         raise _no_structure_error(ctx, dims)
     _probes(ctx, structures)
-    bounds = {}
-    for s in structures:  # with the time up, the cheap bound alone (still valid) keeps the search anytime
-        cheap = sp.step_time_lower_bound_s(s, ideal_step_s=ctx.ideal_s)
-        if not _may_fit(ctx, s):
-            bounds[s] = math.inf  # the model states alone overflow the device at every ZeRO stage allowed
-            continue
-        per_sp = {} if ctx.expired() else _sp_bounds(ctx, s)
-        bounds[s] = min(per_sp.values()) if per_sp else cheap
-    order = sorted(structures, key=lambda s: (bounds[s], s))
+    bounds = {s: sp.step_time_lower_bound_s(s, ideal_step_s=ctx.ideal_s) if _may_fit(ctx, s) else math.inf
+              for s in structures}  # inf: the model states alone overflow the device at every ZeRO stage allowed
     t1 = time.perf_counter()
     st = _State()
-    stopped = _explore(ctx, order, bounds, st)
-    pruned = sum(1 for s in order[stopped:] if s not in st.open)
+    _explore(ctx, bounds, st)
     if progress:
-        progress("pruned by bound", pruned, len(order), st.best_s)
+        progress("pruned by bound", len(bounds) - len(st.explored) - len(st.open), len(bounds), st.best_s)
     t2 = time.perf_counter()
     _search_cuts(ctx, bounds, st)
     t3 = time.perf_counter()

@@ -17,6 +17,7 @@ recompute count.
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
@@ -180,9 +181,14 @@ def spread(rec: Sequence[int], per_rank: Sequence[int], unit_s: Sequence[float],
     one), so the rank's largest chunk grows least."""
     out = [0] * len(rec)
     for r in range(pp):
-        mine = list(range(r, len(rec), pp))
+        if len(rec) == pp:  # one chunk per rank
+            out[r] = per_rank[r]
+            continue
+        heap = [(rec[c] * unit_s[r] + extra_s[r], c) for c in range(r, len(rec), pp) if rec[c] > 0]
+        heapq.heapify(heap)
         for _ in range(per_rank[r]):
-            room = [c for c in mine if out[c] < rec[c]]
-            c = min(room, key=lambda c: (rec[c] * unit_s[r] + (out[c] + 1) * extra_s[r], c))
+            t, c = heapq.heappop(heap)
             out[c] += 1
+            if out[c] < rec[c]:
+                heapq.heappush(heap, (t + extra_s[r], c))
     return tuple(out)

@@ -66,7 +66,7 @@ class SearchOptions:
     """Per structure, the most layer-count vectors looked at to list every cut whose bound is below the best
     step time (identical transformer layers); above it the DPs of ``cuts`` propose the cut and the structure
     stays unproven (its bound counts in the search's bound)."""
-    cut_evaluations: int | None = 2000
+    cut_evaluations: int | None = 1000
     """Step-model calls the cut search may make after the even-cut exploration (the most promising pipelines
     first); the pipelines left open keep their bound in the search's bound. None: no limit."""
     exhaustive_cuts: int = 256
