@@ -56,14 +56,14 @@ def stage_plans(
     for c, n in enumerate(candidate.stage_layers):
         r = c % s.pp
         ranks = tuple(range(r * per_rank, (r + 1) * per_rank))
+        k = 0 if candidate.knobs.recompute == "none" else _recomputed(workload.layers[start : start + n], counts, c)
         out.append(StagePlan(
             index=c,
             pp_rank=r,
             modules=tuple(m for group in names[start : start + n] for m in group),
             ranks=ranks,
-            recompute=candidate.knobs.recompute,
-            recompute_layers=0 if candidate.knobs.recompute == "none" else _recomputed(
-                workload.layers[start : start + n], counts, c),
+            recompute=candidate.knobs.recompute if k > 0 else "none",  # a chunk that recomputes nothing says so
+            recompute_layers=k,
             gpu=devices[r] if len(devices) == s.pp else cluster.group_of_rank(ranks[0]).node.gpu.name,
             predicted_time_s=chunk_times[c],
             predicted_memory_gb=float(mems[r]) if len(mems) == s.pp else float(est.memory_gb_per_device),
