@@ -112,6 +112,9 @@ class StagePlan:
     ranks: tuple[int, ...]
     """Global ranks holding this chunk."""
     recompute: Recompute = "none"
+    recompute_layers: int = -1
+    """How many of the chunk's recomputable layers (all but the embedding and the head), from its first, run
+    with ``recompute``; -1: all of them. The search writes the count it priced (the fewest that fit)."""
     gpu: str = ""
     """Accelerator of the node group the chunk is placed on: the one its time was predicted on (on a
     heterogeneous cluster each pipeline rank's ranks lie in one node group, and the cuts balance the groups)."""
@@ -173,8 +176,12 @@ class SolverStats:
     """``optimal`` | ``feasible`` (time limit hit, best so far) | ``fixed`` (configuration given)."""
     objective: float = 0.0
     bound: float = 0.0
+    """A lower bound on the step time of every plan in the space that ``proven`` names."""
     gap: float = 0.0
     candidates_explored: int = 0
+    proven: str = ""
+    """Which space ``status``, ``bound`` and ``gap`` cover, in words (``optimal over the whole space (...)``, or
+    what was left open: pipelines whose cuts a DP proposed, not reached before the time limit, ...)."""
     intra_op: dict[str, float] = field(default_factory=dict)
     """The per-block sharding ILPs behind the plan's shardings: ``blocks`` (workload entries),
     ``distinct_solutions``, how many ended ``optimal`` / ``feasible`` / ``greedy``, and ``max_gap``."""
@@ -239,9 +246,12 @@ def load_plan(path: str | Path) -> Plan:
     """Read and validate a plan file; every problem becomes a ``PlanMismatchError`` naming the file."""
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_bytes().decode("utf-8")
     except OSError as e:
         raise PlanMismatchError(f"cannot read plan file {p}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise PlanMismatchError(f"{p}: not a plan file (byte {e.start} is not UTF-8 text); give the JSON that "
+                                "`autopar plan --out` wrote") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:

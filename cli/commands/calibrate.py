@@ -30,7 +30,7 @@ def dispatch_model(layers: int):
 
 
 def run(args: argparse.Namespace) -> int:
-    from costmodel.calibration import save_calibration
+    from cli.calibration_file import save_calibration
     from runtime.calibrate import run_calibration  # the CLI is the edge that may compose runtime
 
     cal = run_calibration(ranks=args.ranks, quick=args.quick, progress=not args.no_progress,
