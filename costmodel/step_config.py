@@ -52,6 +52,11 @@ class StepConstants:
     - ``fused_memory_bound``: norms, pointwise ops and residual adds run as one fused kernel each (reading
       their inputs and writing their output once: Transformer Engine, torch.compile), not as the traced eager
       ops (a traced RMSNorm upcasts to fp32 and moves ~3.5x that).
+    - ``selective_recompute``: what ``recompute="selective"`` keeps: ``attention`` (everything but the attention
+      core, Korthikanti et al. 2022: Megatron's selective recomputation) or ``op`` (op-level checkpointing that
+      keeps the outputs of every other matmul and of attention and recomputes the rest: torchtitan's policy).
+    - ``expert_gemm_efficiency``: the MoE experts' work (grouped GEMMs with the token permutation around them)
+      against dense GEMMs of the same FLOPs and bytes.
     - ``softmax_bytes`` per attention score of unfused attention (scaled-masked softmax + dropout).
     - ``elementwise_replicated_bytes`` / ``elementwise_ffn_bytes``: norms, dropout, residuals / bias + activation
       (the closed-form oracle; a traced block has its own ops).
@@ -80,6 +85,8 @@ class StepConstants:
     sustained_compute: float
     tp_fused_input_projections: bool
     fused_memory_bound: bool
+    selective_recompute: str
+    expert_gemm_efficiency: float
     softmax_bytes: float
     elementwise_replicated_bytes: float
     elementwise_ffn_bytes: float
@@ -196,10 +203,10 @@ def _check_model(cfg: ParallelConfig, w: Workload) -> None:
     if cfg.dp % cfg.ep:
         raise ConfigError(f"ep={cfg.ep} must divide dp={cfg.dp}; choose ep in {_divisors(cfg.dp)}")
     chunks = cfg.pp * (cfg.virtual_stages or 1)
-    if chunks > w.num_layers:
+    if chunks > len(w.layers):  # a chunk may hold the embedding or the head alone (explicit stage_layers)
         raise ConfigError(
-            f"pp*virtual_stages={chunks} exceeds the {w.num_layers} transformer layers; "
-            f"use pp*virtual_stages <= {w.num_layers}"
+            f"pp*virtual_stages={chunks} exceeds the {w.num_layers} transformer layers (with the embedding and the "
+            f"head, {len(w.layers)} workload entries); use pp*virtual_stages <= {len(w.layers)}"
         )
 
 

@@ -49,7 +49,7 @@ FACTS: dict[str, type] = {
 # Constant tables and the StepConstants fields each holds, with their types.
 CONSTANT_TABLES: dict[str, dict[str, type]] = {
     "kernels": {"sustained_compute": float, "tp_fused_input_projections": bool, "fused_memory_bound": bool,
-                "softmax_bytes": float,
+                "selective_recompute": str, "expert_gemm_efficiency": float, "softmax_bytes": float,
                 "elementwise_replicated_bytes": float, "elementwise_ffn_bytes": float,
                 "optimizer_bytes_per_param": float},
     "overlap": {"overlap_slowdown": float, "overlap_param_gather": bool, "tp_comm_exposed": float,
@@ -310,9 +310,16 @@ def _load(path: str) -> Target:
     )
 
 
+SELECTIVE = ("attention", "op")
+
+
 def _constant(value: Any, kind: type, path: str, where: str) -> Any:
     if value == "model" and where.startswith("comm."):
         return None  # the workload's own bytes per element (the dtype the parameters train in)
+    if kind is str:
+        if value not in SELECTIVE:
+            raise ProfileError(f"{path}: [{where}] = {value!r}; choose one of {', '.join(SELECTIVE)}")
+        return value
     if kind is bool:
         ok = isinstance(value, bool)
     elif kind is int:

@@ -62,6 +62,11 @@ class CostContext:
     softmax of Megatron-LM 2021 (backward twice the forward, the ``a s^2`` scores kept: Korthikanti et al.)."""
     scores_bytes: float = 0.0
     """Unfused attention: bytes of the scores, softmax and dropout mask one micro-batch keeps (unsharded)."""
+    weight_bytes_per_param: float = 2.0
+    """Bytes of one weight in the traced dtype: the part of an op's traffic that splits with its parameters."""
+    selective: str = "attention"
+    """What ``recompute="selective"`` recomputes: ``attention`` (the attention core, Korthikanti et al.) or
+    ``op`` (op-level checkpointing: only matmul and attention outputs are kept, ``_op_checkpointed``)."""
 
     def collective_time_s(self, c: Collective) -> float:
         return self.collective(c)[1]
@@ -107,10 +112,14 @@ def _cost_strategy(op: LayerOp, s: OpStrategy, *, ctx: CostContext, mesh: MeshSh
                    state_bytes_per_param: float, activation_multiplier: float) -> _Costed:
     frac = s.work_fraction / mesh.cp
     flops_bwd = op.flops_bwd if ctx.flash or op.kind != "attention" else 2.0 * op.flops_fwd
-    fwd = ctx.op_time_s(op, s, op.flops_fwd * frac, op.bytes_fwd * frac) if (op.flops_fwd or op.bytes_fwd) else 0.0
+    # the activations split with the work, the weights with the parameters (an expert-parallel rank reads only
+    # its own experts' weights, a context-parallel rank all of its weights)
+    weights = min(op.bytes_fwd, op.params * ctx.weight_bytes_per_param)
+    moved = (op.bytes_fwd - weights) * frac + weights * s.param_fraction
+    fwd = ctx.op_time_s(op, s, op.flops_fwd * frac, moved) if (op.flops_fwd or op.bytes_fwd) else 0.0
     # Backward reads the forward's inputs and output gradient and writes the input and weight gradients: about
     # twice the forward traffic.
-    bwd = ctx.op_time_s(op, s, flops_bwd * frac, 2.0 * op.bytes_fwd * frac) if (flops_bwd or op.bytes_fwd) else 0.0
+    bwd = ctx.op_time_s(op, s, flops_bwd * frac, 2.0 * moved) if (flops_bwd or op.bytes_fwd) else 0.0
     # the weight gradient of a linear is one forward-sized matmul (dW = dY^T X)
     wgrad = bwd * min(1.0, op.flops_fwd / flops_bwd) if op.params and flops_bwd > 0 else 0.0
     recomputed = recompute == "full" or (recompute == "selective" and op.kind == "attention")
@@ -121,10 +130,24 @@ def _cost_strategy(op: LayerOp, s: OpStrategy, *, ctx: CostContext, mesh: MeshSh
     if op.kind == "attention" and not ctx.flash:
         full += ctx.scores_bytes * s.work_fraction / (mesh.cp * mesh.cp)  # s/cp query rows against all s keys
     saved = 0.0 if recomputed and op.kind != "input" else full
+    rec = fwd if recomputed else 0.0
+    if recompute == "selective" and ctx.selective == "op" and op.kind not in ("input", "output"):
+        saved, rec = _op_checkpointed(op, s, fwd, frac)
     states = op.params * s.param_fraction * state_bytes_per_param
-    return _Costed(strategy=s, fwd_s=fwd, bwd_s=bwd, wgrad_s=wgrad, rec_s=fwd if recomputed else 0.0, comm=comm,
+    return _Costed(strategy=s, fwd_s=fwd, bwd_s=bwd, wgrad_s=wgrad, rec_s=rec, comm=comm,
                    comm_s=_time_s(ctx, comm), state_bytes=states, act_bytes=saved, full_act_bytes=full,
                    memory_bytes=states + activation_multiplier * saved)
+
+
+def _op_checkpointed(op: LayerOp, s: OpStrategy, fwd_s: float, frac: float) -> tuple[float, float]:
+    """(saved bytes, recompute seconds) under op-level selective checkpointing (torchtitan's ``selective`` /
+    ``op`` policy): the outputs of every other matmul and of the attention core are saved, everything else is
+    recomputed before the backward: on average half of each linear's output kept and half its forward re-run."""
+    if op.kind == "attention":
+        return op.out_bytes * frac, 0.0
+    if op.kind in _QUANTIZED or op.kind == "matmul":
+        return 0.5 * op.out_bytes * frac, 0.5 * fwd_s
+    return 0.0, fwd_s
 
 
 def _input_copies(op: LayerOp, s: OpStrategy, ctx: CostContext) -> int:
@@ -357,7 +380,8 @@ def cluster_cost_context(cluster, *, mesh: MeshShape, device=None, dtype: str = 
     ``cast_bytes`` of memory traffic per quantized GEMM input element (the forward input, the backward output
     gradient); norms, pointwise ops and residual adds as fused kernels reading their inputs and writing their
     output once (``fused_memory_bound``); sequence-parallel tp all-gathers / reduce-scatters at
-    ``tp_comm_exposed`` of their time (GEMM-collective overlap).
+    ``tp_comm_exposed`` of their time (GEMM-collective overlap); the experts op at ``expert_gemm_efficiency`` of
+    the dense GEMM rate (grouped GEMMs, token permutation).
 
     Matmuls and attention run at ``sustained_compute`` of the kernel rate (a training step's clocks and SMs
     shared with NCCL: ``costmodel.step_config.StepConstants``). Flash attention computes ``causal_fraction`` of
@@ -376,6 +400,11 @@ def cluster_cost_context(cluster, *, mesh: MeshShape, device=None, dtype: str = 
                           f"{', '.join(sorted(gpu.peak_tflops))}: plan with --precision bf16")
 
     def op_time(op: LayerOp, s: OpStrategy, flops: float, nbytes: float) -> float:
+        if op.kind == "experts":  # grouped expert GEMMs at their fraction of the dense GEMM rate
+            return _op_time(op, s, flops, nbytes) / opts.expert_gemm_efficiency
+        return _op_time(op, s, flops, nbytes)
+
+    def _op_time(op: LayerOp, s: OpStrategy, flops: float, nbytes: float) -> float:
         if opts.fused_memory_bound and op.kind in _FUSABLE and op.bytes_fwd > 0:
             nbytes *= min(1.0, (len(op.inputs) + 1) * op.out_bytes / op.bytes_fwd)
         if op.kind in _QUANTIZED and opts.gemm_dtype != "bf16" and flops > 0:
@@ -429,7 +458,8 @@ def cluster_cost_context(cluster, *, mesh: MeshShape, device=None, dtype: str = 
         heads, seq, _ = attention_shape
         scores = 5.0 * heads * seq * seq  # Korthikanti et al.: scores + softmax (2 B each) + dropout mask (1 B)
     return CostContext(op_time_s=op_time, collective=coll, fused_input_projections=fused_input_projections,
-                       flash=flash, scores_bytes=scores)
+                       flash=flash, scores_bytes=scores, weight_bytes_per_param=float(DTYPE_BYTES.get(dtype, 2)),
+                       selective=opts.selective)
 
 
 # --- memoized entry -----------------------------------------------------------------------------------------
@@ -448,6 +478,8 @@ class CostOptions:
     gemm_dtype: str = "bf16"
     cast_bytes: float = 0.0
     tp_comm_exposed: float = 1.0
+    selective: str = "attention"
+    expert_gemm_efficiency: float = 1.0
 
 
 @dataclass(kw_only=True, slots=True)
