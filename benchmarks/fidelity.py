@@ -1,15 +1,24 @@
-"""Fidelity: predict the published Megatron-LM SC21 runs (Tables 1 and 2) with one set of constants.
+"""Fidelity: predict the published runs of the development set and of Megatron-LM SC21, one constants set per target.
 
-``python -m benchmarks.fidelity [--workload traced|analytic] [--json]`` prices every case of
-``benchmarks/data/megatron_sc21.json`` with ``costmodel.step.estimate_step`` on DGX A100 80 GB nodes
-(``profiles/nodes.toml`` ``dgx-a100-80gb``: NVSwitch inside a node, 8 HDR NICs per node) and compares the
-predicted TFLOP/s per GPU with the measured one: both are SC21 Eq. 3's FLOPs (recomputation counted) over
-the step time, so only the step time is predicted (a traced workload's own FLOP count, e.g. 2.5x-forward flash
-attention backward, would otherwise shift the numerator by ~1-3%).
+``python -m benchmarks.fidelity [--only sc21|devset] [--workload traced|analytic] [--json]`` prices every case of
+the development set (``benchmarks.devset.load_devset()``: Megatron-Bridge, NeMo 24.07 and torchtitan rows, how
+each is priced in ``benchmarks/devset_runs.py``) and every case of ``benchmarks/data/megatron_sc21.json``
+(``benchmarks/fidelity_sc21.py``) with ``costmodel.step.estimate_step`` for the execution target that ran it, and
+prints them grouped by target and hardware with the median and largest error of each group, the published
+memory figures against the prediction, and every case that cannot be priced with the reason. The dev-set
+figure is tokens per second per GPU; the SC21 figure SC21 Eq. 3's TFLOP/s per GPU (FLOPs with recomputation
+over the predicted step time, so only the step time is predicted).
 
-Case assumptions (the JSON's fields, plus what Table 2 leaves out):
+Development-set case assumptions (``benchmarks.devset_runs.ASSUMPTIONS``, one rule for every case): the
+target is megatron for the Megatron-Bridge and NeMo rows and torchtitan for the torchtitan rows; the system is
+the node type of the same name (NVL72 jobs in NVLink domains of min(GPUs, 64)); dp = GPUs / (tp pp cp); the
+interleaved schedule when VP > 1; FSDP > 0 is ZeRO-3, otherwise the distributed optimizer (ZeRO-1); sequence
+parallel with tp > 1; flash attention; no recomputation unless named; the precision as printed (an unnamed
+Megatron-Bridge FP8 recipe as current scaling, NeMo 24.07 FP8 as delayed scaling).
 
-- Every row: sequence 2048, vocabulary 51,200, full activation recomputation, fp16/bf16 mixed precision,
+SC21 case assumptions (the JSON's fields, plus what Table 2 leaves out):
+
+- Every row: DGX A100 80 GB nodes (``dgx-a100-80gb``: NVSwitch, 8 HDR NICs), sequence 2048, vocabulary 51,200, full activation recomputation, fp16/bf16 mixed precision,
   unfused attention (Megatron-LM 2021 materialises the scores: ``flash_attention=False``), no sequence
   parallelism (introduced in 2022).
 - Table 1: tp / pp / dp / micro-batch / virtual stages as listed; rows with ``data_parallel_impl`` "torch DDP"
@@ -57,146 +66,112 @@ import argparse
 import json
 import statistics
 import sys
-from dataclasses import dataclass
-from pathlib import Path
 
-from costmodel.analytic import gpt_workload, sc21_model_flops
-from costmodel.profiles import make_cluster
-from costmodel.targets import load_target
-from costmodel.step import ParallelConfig, estimate_step
-from costmodel.workload import Workload
+from benchmarks import fidelity_sc21
+from benchmarks.devset_runs import price_devset
+from benchmarks.fidelity_sc21 import Case, load_cases  # the SC21 cases, as benchmarks/plan_quality.py reads them
 
-DATA = Path(__file__).resolve().parent / "data" / "megatron_sc21.json"
-SEQ, VOCAB = 2048, 51200
-TABLE2_MODELS = {"175b": dict(layers=96, hidden=12288, heads=96), "530b": dict(layers=105, hidden=20480, heads=128)}
-TABLE2_VIRTUAL = {"175b": 2, "530b": 3}
-# The runtimes of the published runs, not autopar's: Megatron-LM fuses q/k/v into one column-parallel GEMM (one
-# input-gradient all-reduce for attention); DeepSpeed ZeRO-3 fetches each of a layer's six modules separately.
+__all__ = ["Case", "load_cases", "report", "run", "summary"]
 
-PRESETS = {1.7: "megatron-1.7b", 3.6: "megatron-3.6b", 7.5: "megatron-7.5b", 18.4: "megatron-18b",
-           39.1: "megatron-39b", 76.1: "megatron-76b", 145.6: "megatron-145b", 310.1: "megatron-310b",
-           529.6: "megatron-530b", 1008.0: "megatron-1t", 175: "gpt3-175b", 530: "megatron-530b"}
+TARGETS = {"devset": {"median": 0.05, "max": 0.12}, "sc21": {"median": 0.05, "max": 0.10}, "memory": 0.10}
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Case:
-    id: str
-    dims: dict
-    params_b: float
-    gpus: int
-    config: ParallelConfig
-    measured_tflops: float
-    assumption: str
-
-
-def _table1(row: dict) -> Case:
-    m, p = row["model"], row["parallel"]
-    cfg = ParallelConfig(
-        tp=p["tp"], pp=p["pp"], dp=p["dp"], microbatch=p["microbatch"], global_batch=p["global_batch"],
-        schedule=p["schedule"], virtual_stages=p["virtual_stages"], recompute=p["recompute"],
-        zero_stage=p["zero"], flash_attention=False, overlap_grad_reduce=p["data_parallel_impl"] == "torch DDP",
-    )
-    dims = dict(layers=m["layers"], hidden=m["hidden"], heads=m["heads"])
-    return Case(id=row["id"], dims=dims, params_b=m["params_b"], gpus=row["cluster"]["gpus"], config=cfg,
-                measured_tflops=row["measured"]["tflops_per_gpu"], assumption="as listed")
-
-
-def _table2(row: dict) -> Case:
-    size = "175b" if "175b" in row["id"] else "530b"
-    dims = TABLE2_MODELS[size]
-    n, gb = row["gpus"], row["global_batch"]
-    if "zero3" in row["id"]:
-        mb = row.get("microbatch", gb // n)
-        cfg = ParallelConfig(tp=1, pp=1, dp=n, microbatch=mb, global_batch=gb, schedule="1f1b", recompute="full",
-                             zero_stage=3, flash_attention=False, overlap_grad_reduce=True)
-        why = f"ZeRO-3 dp={n}, micro-batch {mb}" + ("" if "microbatch" in row else " (= global batch / GPUs)")
-    else:
-        pp = 12 if size == "175b" else 35
-        v = TABLE2_VIRTUAL[size]
-        cfg = ParallelConfig(tp=8, pp=pp, dp=n // (8 * pp), microbatch=row.get("microbatch", 1), global_batch=gb,
-                             schedule="interleaved-1f1b", virtual_stages=v, recompute="full", zero_stage=0,
-                             flash_attention=False, overlap_grad_reduce=False)
-        why = f"interleaved v={v} (assumed), local DDP"
-    return Case(id=row["id"], dims=dims, params_b=float(size[:-1]), gpus=n, config=cfg,
-                measured_tflops=row["tflops_per_gpu"], assumption=why)
-
-
-def load_cases(path: Path = DATA) -> list[Case]:
-    data = json.loads(Path(path).read_text())
-    return [_table1(r) for r in data["table1_weak_scaling"]] + [_table2(r) for r in data["table2_zero3_vs_ptdp"]]
-
-
-def _workload(case: Case, kind: str, cache: dict) -> tuple[Workload, str]:
-    key = (case.dims["layers"], case.dims["hidden"], case.dims["heads"])
-    if key in cache:
-        return cache[key]
-    got = None
-    if kind == "traced":
-        try:
-            from planner.workload import workload_from_model
-
-            spec = PRESETS.get(case.params_b)
-            if spec is not None:
-                w, _ = workload_from_model(spec, seq=SEQ)
-                if (w.num_layers, w.hidden, w.heads) == key:
-                    got = (w, f"traced {spec}")
-        except ImportError:  # the tracer is not installed: fall back to the analytic count
-            got = None
-    if got is None:
-        got = (gpt_workload(**case.dims, vocab=VOCAB, seq=SEQ, name=case.id), "analytic")
-    cache[key] = got
-    return got
-
-
-def run(*, workload: str = "analytic", path: Path = DATA) -> list[dict]:
-    """Predict every case; one row per case with predicted / measured TFLOP/s and the relative error."""
-    rows, cache = [], {}
-    for case in load_cases(path):
-        w, source = _workload(case, workload, cache)
-        target = load_target("deepspeed" if case.config.zero_stage == 3 else "megatron:sc21")
-        est = estimate_step(w, case.config, make_cluster("dgx-a100-80gb", case.gpus // 8), target=target)
-        # the paper's FLOP count (Eq. 3) over the predicted step time: the same numerator as the measurement
-        flops = sc21_model_flops(batch=case.config.global_batch, seq=SEQ, layers=case.dims["layers"],
-                                 hidden=case.dims["hidden"], vocab=VOCAB, recompute=True)
-        pred = flops / est.step_time_s / case.gpus / 1e12
-        rows.append({
-            "case": case.id, "predicted_tflops": pred, "measured_tflops": case.measured_tflops,
-            "error": pred / case.measured_tflops - 1.0, "step_time_s": est.step_time_s,
-            "memory_gb": est.memory_gb_per_device, "fits": est.fits, "bottleneck": est.bottleneck,
-            "workload": source, "assumption": case.assumption, "config": case.config.summary(),
-        })
-    return rows
+def run(*, workload: str = "analytic") -> list[dict]:
+    """The SC21 rows (``benchmarks.fidelity_sc21.run``)."""
+    return fidelity_sc21.run(workload=workload)
 
 
 def summary(rows: list[dict]) -> dict[str, float]:
-    errs = [abs(r["error"]) for r in rows]
+    """Median / mean / largest |error| over the rows that were priced against a measurement."""
+    errs = [abs(r["error"]) for r in rows if r.get("error") is not None]
+    if not errs:
+        return {"median_abs_error": float("nan"), "max_abs_error": float("nan"), "mean_abs_error": float("nan"),
+                "cases": 0}
     return {"median_abs_error": statistics.median(errs), "max_abs_error": max(errs),
-            "mean_abs_error": statistics.fmean(errs), "cases": len(rows)}
+            "mean_abs_error": statistics.fmean(errs), "cases": len(errs)}
 
 
-def _print_table(rows: list[dict]) -> None:
-    print(f"{'case':34s} {'pred':>7s} {'meas':>6s} {'error':>7s} {'mem GB':>7s}  bottleneck  workload / assumption")
+def groups(rows: list[dict]) -> dict[str, dict[str, dict]]:
+    """Priced rows by target, then hardware: each group's rows and summary."""
+    out: dict[str, dict[str, dict]] = {}
     for r in rows:
-        print(f"{r['case']:34s} {r['predicted_tflops']:7.1f} {r['measured_tflops']:6.0f} {r['error']:+7.1%} "
-              f"{r['memory_gb']:7.1f}  {r['bottleneck']:10s}  {r['workload']}; {r['assumption']}")
-    s = summary(rows)
-    print(f"\nTFLOP/s per GPU (hardware FLOPs, SC21 Eq. 3), {s['cases']} cases: median |error| "
-          f"{s['median_abs_error']:.1%}, mean {s['mean_abs_error']:.1%}, max {s['max_abs_error']:.1%} "
-          "(target: median <= 5%, max <= 10%)")
+        if r.get("error") is None:
+            continue
+        g = out.setdefault(r["target"], {}).setdefault(r["system"], {"rows": []})
+        g["rows"].append(r)
+    for by_system in out.values():
+        for g in by_system.values():
+            g["summary"] = summary(g["rows"])
+    return out
+
+
+def report(rows: list[dict]) -> dict:
+    """Everything the printout and ``--json`` say: per target (and hardware) summaries, SC21 and dev set apart,
+    the memory rows, the cases that cannot be priced and the worst rows."""
+    dev = [r for r in rows if r["source"] != "megatron_sc21"]
+    sc21 = [r for r in rows if r["source"] == "megatron_sc21"]
+    per_target = {t: summary([r for r in dev if r["target"] == t]) for t in sorted({r["target"] for r in dev})}
+    memory = [r for r in dev if "memory_error" in r]
+    priced = [r for r in rows if r.get("error") is not None]
+    return {
+        "devset": summary(dev), "devset_per_target": per_target, "sc21": summary(sc21),
+        "memory": [{k: r[k] for k in ("case", "memory_predicted_gib", "memory_measured_gib", "memory_error")}
+                   for r in memory],
+        "groups": {t: {s: g["summary"] for s, g in by.items()} for t, by in groups(rows).items()},
+        "unpriced": [{k: r[k] for k in ("case", "target", "system", "model", "skip")} for r in rows if "skip" in r],
+        "worst": [r["case"] for r in sorted(priced, key=lambda r: -abs(r["error"]))[:5]],
+        "targets": TARGETS,
+    }
+
+
+def _fmt(s: dict) -> str:
+    if not s["cases"]:
+        return "no priced cases"
+    return (f"{s['cases']} cases: median |error| {s['median_abs_error']:.1%}, mean {s['mean_abs_error']:.1%}, "
+            f"max {s['max_abs_error']:.1%}")
+
+
+def _print(rows: list[dict]) -> None:
+    for target, by_system in sorted(groups(rows).items()):
+        for system, g in sorted(by_system.items()):
+            print(f"\n== target {target}, {system}: {_fmt(g['summary'])}")
+            print(f"{'case':28s} {'release':10s} {'model':16s} {'gpus':>5s} {'prec':6s} {'pred':>8s} {'meas':>8s} "
+                  f"{'error':>7s} {'mem GB':>7s} {'bottleneck':14s} config; assumptions")
+            for r in sorted(g["rows"], key=lambda r: r["error"]):
+                print(f"{r['case'][:28]:28s} {str(r.get('release', '-'))[:10]:10s} {str(r.get('model', r['workload']))[:16]:16s} "
+                      f"{r.get('gpus', '-'):>5} {r.get('precision', 'bf16'):6s} {r['predicted']:8.1f} "
+                      f"{r['measured']:8.1f} {r['error']:+7.1%} {r['memory_gb']:7.1f} {r['bottleneck'][:14]:14s} "
+                      f"{r['config']}; {r['assumption']}")
+    rep = report(rows)
+    print("\n== memory (published figures, GiB)")
+    for m in rep["memory"]:
+        print(f"{m['case']:28s} predicted {m['memory_predicted_gib']:6.1f} measured {m['memory_measured_gib']:6.1f} "
+              f"error {m['memory_error']:+.1%} (target within {TARGETS['memory']:.0%})")
+    print(f"\n== cases that cannot be priced: {len(rep['unpriced'])}")
+    for u in rep["unpriced"]:
+        print(f"{u['case']:28s} {u['system']:12s} {u['model']:22s} {u['skip']}")
+    print("\n== summary (tokens/s per GPU for the development set, TFLOP/s per GPU for SC21)")
+    for t, s in rep["devset_per_target"].items():
+        print(f"development set, target {t}: {_fmt(s)} (target: median <= 5%, max <= 12%)")
+    print(f"development set, all targets: {_fmt(rep['devset'])}")
+    print(f"SC21: {_fmt(rep['sc21'])} (target: median <= 5%, max <= 10%)")
+    print(f"worst rows: {', '.join(rep['worst'])}")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", choices=("sc21", "devset"), default=None, help="price only one of the two sets")
     ap.add_argument("--workload", choices=("traced", "analytic"), default="traced",
-                    help="traced: planner.workload.workload_from_model (falls back to analytic); analytic: "
-                         "costmodel.analytic from the dimensions")
-    ap.add_argument("--json", action="store_true", help="print the rows and summary as JSON")
+                    help="SC21 rows: traced (planner.workload.workload_from_model, falls back to analytic) or "
+                         "analytic (costmodel.analytic from the dimensions); dev-set rows are always traced")
+    ap.add_argument("--json", action="store_true", help="print the rows and the report as JSON")
     args = ap.parse_args(argv)
-    rows = run(workload=args.workload)
+    rows = [] if args.only == "sc21" else price_devset()
+    rows += [] if args.only == "devset" else run(workload=args.workload)
     if args.json:
-        print(json.dumps({"rows": rows, "summary": summary(rows)}, indent=1))
+        print(json.dumps({"rows": rows, "report": report(rows)}, indent=1))
     else:
-        _print_table(rows)
+        _print(rows)
     return 0
 
 
