@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 LinkKind = Literal["nvlink", "nvswitch", "xgmi", "pcie", "infiniband", "roce", "ethernet", "loopback"]
 LINK_KINDS: tuple[str, ...] = ("nvlink", "nvswitch", "xgmi", "pcie", "infiniband", "roce", "ethernet", "loopback")
-DTYPES: tuple[str, ...] = ("bf16", "fp16", "tf32", "fp32")
+DTYPES: tuple[str, ...] = ("bf16", "fp16", "tf32", "fp32", "fp8")
 INTRA_TOPOLOGIES: tuple[str, ...] = ("switch", "full-mesh", "hybrid-cube-mesh", "pcie-tree", "shared-memory")
 
 # A dtype the device lacks falls back to the nearest one it has (V100 has no bf16 / tf32 tensor cores: a bf16
@@ -34,6 +34,7 @@ _DTYPE_FALLBACK: dict[str, tuple[str, ...]] = {
     "fp16": ("fp16", "bf16", "fp32"),
     "tf32": ("tf32", "fp32"),
     "fp32": ("fp32",),
+    "fp8": ("fp8",),
 }
 
 
@@ -102,7 +103,8 @@ class Link:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class NodeType:
-    """A server: ``gpus_per_node`` accelerators on an intra-node fabric, ``nics_per_node`` NICs out."""
+    """A server, or one NVLink domain: ``gpus_per_node`` accelerators on an intra-node fabric, ``nics_per_node``
+    NICs out (an NVL72 rack is one node of 72 GPUs on its NVLink Switch System with the 72 NICs of its trays)."""
 
     name: str
     gpu: Accelerator
