@@ -12,6 +12,7 @@ from costmodel.profiles import (
     PROFILES_DIR,
     custom_cluster,
     get_accelerator,
+    get_link,
     get_node_type,
     list_accelerators,
     list_node_types,
@@ -106,7 +107,7 @@ def test_custom_cluster_for_what_if():
 def _copy_profiles(tmp_path: Path) -> Path:
     root = tmp_path / "profiles"
     root.mkdir()
-    for name in ("accelerators.toml", "links.toml", "nodes.toml"):
+    for name in ("accelerators.toml", "links.toml", "nodes.toml", "comm_curves.toml"):
         shutil.copy(PROFILES_DIR / name, root / name)
     return root
 
@@ -263,3 +264,34 @@ def test_new_accelerators_and_fp8():
     assert get_accelerator("h100").tflops("fp8") == pytest.approx(1978.9)  # dense, not the sparse 3,958
     with pytest.raises(ProfileError, match="no peak rate for 'fp8'"):
         get_accelerator("a100").tflops("fp8")  # no FP8 tensor cores before Hopper
+
+
+def test_every_curve_is_used_or_a_cross_check_and_cites_its_source():
+    db = load_profiles()
+    used = {c.name for link in db.links.values() for c in link.curves}
+    shapes = {c.shape.name for c in db.curves.values() if c.shape is not None}
+    assert set(db.curves) - used - shapes == {"azure-nd-h200-v5-allreduce-nvls"}
+    for curve in db.curves.values():
+        assert curve.source.strip() and len(curve.sizes_bytes) == len(curve.busbw_gbps)
+        assert 0.5 < curve.plateau_fraction < 1.1, curve.name
+    assert get_link("nvswitch-h100").curve("nvls").name == "azure-nd-h100-v5-allreduce-nvls"
+    assert get_link("nvlink5-switch").curve("nvls", 72).name == "coreweave-gb200-nvl72-allreduce"
+    assert get_link("nvlink5-switch").curve("nvls", 8).name == "b200-allreduce-nvls"
+    assert get_link("nvswitch-a100").curve("nvls") is None and not get_link("ib-ndr").sharp
+
+
+def test_bad_curves_are_rejected(tmp_path):
+    root = _copy_profiles(tmp_path)
+    _edit(root / "links.toml", 'curves = ["ib-hdr-a100-3node"]', 'curves = ["ib-hdr-a100-4node"]')
+    with pytest.raises(ProfileError, match=r"\[links\.ib-hdr\] key 'curves' names 'ib-hdr-a100-4node', not a curve"):
+        load_profiles(str(root))
+    (tmp_path / "b").mkdir()
+    root = _copy_profiles(tmp_path / "b")
+    _edit(root / "comm_curves.toml", "busbw_gbps = [320.0, 320.0]", "busbw_gbps = [320.0]")
+    with pytest.raises(ProfileError, match=r"comm_curves\.toml: \[curves\.roce-400g-h100\] sizes_bytes has 2 entries"):
+        load_profiles(str(root))
+    (tmp_path / "c").mkdir()
+    root = _copy_profiles(tmp_path / "c")
+    _edit(root / "comm_curves.toml", 'link = "roce-400g"', 'link = "roce-999g"')
+    with pytest.raises(ProfileError, match="key 'link' = 'roce-999g' is not a link of links.toml"):
+        load_profiles(str(root))
