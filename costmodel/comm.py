@@ -1,4 +1,4 @@
-"""Collective communication time on a cluster: ring and tree as latency + bytes over ramped bus bandwidth.
+"""Collective communication time on a cluster: NCCL's algorithms as latency + bytes over ramped bus bandwidth.
 
 Pure functions of (op, bytes, group, cluster). Conventions follow NCCL / nccl-tests:
 
@@ -12,10 +12,15 @@ Pure functions of (op, bytes, group, cluster). Conventions follow NCCL / nccl-te
   ``n-1`` and ``S``; send/recv 1 and ``S``.
 - Latency (NCCL ``src/graph/tuning.cc``): a launch ``base_latency_s`` plus one link alpha per ring step,
   intra-node steps at the NVLink alpha and node-crossing steps at the NIC's. Tree: ``2 ((g-1) a_intra +
-  log2(N) a_nic)`` (a chain inside each node, a tree across nodes).
-- Algorithms, the fastest being taken: ring (all ops); double-binary tree (all-reduce across nodes); pairwise
-  all-to-all; point-to-point send/recv. A ring crossing nodes runs its NVLink and NIC hops pipelined: the
-  slowest sets the pace.
+  log2(N) a_nic)`` (a chain inside each node, a tree across nodes). NVLS: ``nvls_latency_s``. PAT: ``8 us +
+  log2(N) a_nic / 3.5 + n 2.8 us``.
+- Algorithms, the fastest of those NCCL has for the op, size and group being taken (what its tuner picks):
+  ring (all ops); double-binary tree (all-reduce across nodes); NVLS (all-reduce inside an NVSwitch domain
+  whose link has an ``nvls`` curve: the switch reduces, bus bandwidth ~480 GB/s on 8x H100 against ~370 for
+  the ring); NVLS tree (NVLS inside each node, a tree across nodes); in-network all-reduce (IB SHARP, NCCL
+  CollNet, where the NIC link says ``sharp``); PAT (all-gather / reduce-scatter with one GPU of the group per
+  node, NCCL 2.23+); pairwise all-to-all; point-to-point send/recv. Multi-phase algorithms are pipelined:
+  the slowest phase sets the pace.
 - Placement: the group is ranks ``first_rank + k * stride``, k < size, numbered node by node (tp innermost);
   ``g`` = group members per node, ``N`` = nodes spanned. Every GPU of a node is assumed to run its own
   instance of the same collective at once (SPMD), so a ring crossing nodes gets ``node NIC bw x g /
@@ -49,7 +54,10 @@ class CommEfficiency:
       ``loopback`` 1.0 (its numbers come from calibration).
     - ``tree_bandwidth`` 0.92: NCCL's tuner prices the tree all-reduce at 0.92 of the ring's bandwidth.
     - ``mesh_all_to_all`` 0.50: a hybrid cube mesh connects each GPU to 4 of 7 peers; the rest take two hops.
-    - ``base_latency_s`` 6.6 us: NCCL's tuner constant (``src/graph/tuning.cc``, the ring's base latency).
+    - ``base_latency_s`` 6.6 us, ``nvls_latency_s`` 25 us, ``pat_base_latency_s`` 8 us, ``pat_rank_latency_s``
+      2.8 us, ``pat_log_divisor`` 3.5, ``pat_bandwidth`` 0.75, ``in_network_bandwidth`` 0.85: NCCL's tuner
+      constants (``src/graph/tuning.cc``: ring base latency, NVLS NVLink latency, PAT latency and bandwidth,
+      CollNet bandwidth on Hopper and later).
     - ``curves`` False prices every link at its kind's fraction with no ramp (the plain alpha-beta model).
     """
 
@@ -64,6 +72,12 @@ class CommEfficiency:
     tree_bandwidth: float = 0.92
     mesh_all_to_all: float = 0.50
     base_latency_s: float = 6.6e-6
+    nvls_latency_s: float = 25e-6
+    pat_base_latency_s: float = 8e-6
+    pat_rank_latency_s: float = 2.8e-6
+    pat_log_divisor: float = 3.5
+    pat_bandwidth: float = 0.75
+    in_network_bandwidth: float = 0.85
     curves: bool = True
 
     def of(self, kind: str) -> float:
@@ -90,7 +104,8 @@ class CommCost:
     bus_gbps: float
     """nccl-tests bus bandwidth of the predicted time: ``factor(n) * S / t`` (GB/s)."""
     algorithm: str = ""
-    """``ring``, ``tree``, ``pairwise``, ``p2p``, ``calibrated`` or ``none``."""
+    """``ring``, ``tree``, ``nvls``, ``nvls_tree``, ``in_network``, ``pat``, ``pairwise``, ``p2p``,
+    ``calibrated`` or ``none``."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -160,6 +175,8 @@ class _Rate:
 
 def _reference_latency_s(curve: BusCurve, eff: CommEfficiency) -> float:
     """The model's latency for a curve's own group (what ``build_ramp`` subtracts from the measured times)."""
+    if curve.algorithm == "nvls":
+        return eff.nvls_latency_s
     steps, _ = ring_terms(curve.op, curve.ranks)
     if curve.nodes == 1:
         return eff.base_latency_s + steps * curve.link_latency_s
@@ -174,13 +191,20 @@ def curve_ramp(curve: BusCurve, eff: CommEfficiency = DEFAULT_EFFICIENCY) -> Ram
     return build_ramp(curve, _reference_latency_s(curve, eff), shape)
 
 
-def _link_rate(link: Link, eff: CommEfficiency, ranks: int) -> _Rate:
-    """The bus-bandwidth rate of ``link`` for rings on ``ranks`` GPUs: its curve's plateau fraction and ramp,
-    or the kind's fraction and no ramp."""
-    curve = link.curve("ring", ranks) if eff.curves else None
+def _link_rate(link: Link, eff: CommEfficiency, ranks: int, algorithm: str = "ring") -> _Rate | None:
+    """The bus-bandwidth rate of ``link`` for the ring (or ``nvls``) family on ``ranks`` GPUs: its curve's
+    plateau fraction and ramp, or the kind's fraction and no ramp; None for ``nvls`` on a link without
+    in-switch reduction. NVLS moves each GPU's buffer once each way whatever the group size (its algorithm
+    bandwidth, ~275 GB/s on H100, is what stays fixed), so its bus bandwidth scales as 2 (n-1)/n."""
+    curve = link.curve(algorithm, ranks) if eff.curves else None
     if curve is None:
+        if algorithm == "nvls":
+            return None
         return _Rate(link.gbps_per_direction * eff.of(link.kind) * 1e9, None, link.kind)
-    return _Rate(link.gbps_per_direction * curve.plateau_fraction * 1e9, curve_ramp(curve, eff), link.kind)
+    bps = link.gbps_per_direction * curve.plateau_fraction * 1e9
+    if algorithm == "nvls":
+        bps *= ring_terms("all_reduce", max(ranks, 2))[1] / ring_terms("all_reduce", curve.ranks)[1]
+    return _Rate(bps, curve_ramp(curve, eff), link.kind)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -188,6 +212,8 @@ class _Links:
     """Rates and latencies of a placement, the slowest node type spanned setting each."""
 
     intra: _Rate
+    nvls: _Rate | None
+    """In-switch all-reduce bus bandwidth, if every node spanned has it."""
     nic_node: _Rate
     """All the node's NICs together (a ring crossing nodes gets ``g / gpus_per_node`` of it)."""
     nic_gpu: _Rate
@@ -196,6 +222,7 @@ class _Links:
     intra_alpha_s: float
     nic_alpha_s: float
     topology: str
+    sharp: bool
 
 
 def _slowest(rates: list[_Rate]) -> _Rate:
@@ -204,15 +231,18 @@ def _slowest(rates: list[_Rate]) -> _Rate:
 
 def _links(p: Placement, eff: CommEfficiency) -> _Links:
     types, g = p.node_types, p.members_per_node
+    nvls = [_link_rate(t.intra, eff, g, "nvls") for t in types]
     nic = [_link_rate(t.nic, eff, p.size) for t in types]
     return _Links(
-        intra=_slowest([_link_rate(t.intra, eff, g) for t in types]),
+        intra=_slowest([_link_rate(t.intra, eff, g) for t in types]),  # type: ignore[misc]
+        nvls=None if any(r is None for r in nvls) else _slowest(nvls),  # type: ignore[arg-type]
         nic_node=_slowest([r.scaled(t.nics_per_node) for r, t in zip(nic, types)]),
         nic_gpu=_slowest([r.scaled(min(1.0, t.nics_per_node / t.gpus_per_node)) for r, t in zip(nic, types)]),
         gpus_per_node=max(t.gpus_per_node for t in types),
         intra_alpha_s=max(t.intra.latency_s for t in types),
         nic_alpha_s=max(t.nic.latency_s for t in types),
         topology=min(types, key=lambda t: t.intra.gbps_per_direction).intra_topology,
+        sharp=all(t.nic.sharp for t in types),
     )
 
 
@@ -250,7 +280,10 @@ def _single_node(op: str, nbytes: float, n: int, links: _Links, eff: CommEfficie
         if links.topology == "hybrid-cube-mesh":
             rate = rate.scaled(eff.mesh_all_to_all)
         return [_Plan("pairwise", base + steps * alpha, (("intra", factor * nbytes, rate, nbytes),))]
-    return [_Plan("ring", base + steps * alpha, (("intra", factor * nbytes, rate, nbytes),))]
+    plans = [_Plan("ring", base + steps * alpha, (("intra", factor * nbytes, rate, nbytes),))]
+    if op == "all_reduce" and links.nvls is not None:
+        plans.append(_Plan("nvls", eff.nvls_latency_s, (("intra", factor * nbytes, links.nvls, nbytes),)))
+    return plans
 
 
 def _multi_node(op: str, nbytes: float, p: Placement, links: _Links, eff: CommEfficiency) -> list[_Plan]:
@@ -274,6 +307,32 @@ def _multi_node(op: str, nbytes: float, p: Placement, links: _Links, eff: CommEf
     if op == "all_reduce":
         tree = [(r, b, rate.scaled(eff.tree_bandwidth), m) for r, b, rate, m in ring_phases]
         plans.append(_Plan("tree", base + 2 * ((g - 1) * a_in + depth * a_net), tuple(tree)))
+        plans.extend(_switch_reduction(nbytes, p, links, eff, share))
+    if op in ("all_gather", "reduce_scatter") and g == 1:  # PAT: one GPU of the group per node
+        lat = eff.pat_base_latency_s + depth * a_net / eff.pat_log_divisor + n * eff.pat_rank_latency_s
+        plans.append(_Plan("pat", lat, (("nic", factor * nbytes, links.nic_gpu.scaled(eff.pat_bandwidth), nbytes),)))
+    return plans
+
+
+def _switch_reduction(nbytes: float, p: Placement, links: _Links, eff: CommEfficiency, share: _Rate) -> list[_Plan]:
+    """All-reduce with the reduction in a switch: NVLS inside each node and a tree across (NVLS tree), or the
+    InfiniBand switches (SHARP: in-network, each GPU's NIC share sends and receives S / g once)."""
+    n, g, nodes = p.size, p.members_per_node, p.nodes
+    factor = ring_terms("all_reduce", n)[1]
+    plans = []
+    depth = math.ceil(math.log2(nodes))
+    if links.nvls is not None and g > 1:
+        inter = share.scaled(2.0 if nodes <= 2 else 1.0)  # NCCL: the 2-node tree halves the traffic
+        phases = (("intra", factor * nbytes, links.nvls, nbytes), ("nic", factor * nbytes, inter, nbytes))
+        plans.append(_Plan("nvls_tree", eff.nvls_latency_s + 2 * depth * links.nic_alpha_s, phases))
+    if links.sharp:
+        intra = links.nvls if links.nvls is not None else links.intra
+        per_gpu = nbytes / g
+        phases_s = [("nic", per_gpu, links.nic_gpu.scaled(eff.in_network_bandwidth), per_gpu)]
+        if g > 1:
+            phases_s.append(("intra", ring_terms("all_reduce", g)[1] * nbytes, intra, nbytes))
+        lat = eff.base_latency_s + 2 * (g - 1) * links.intra_alpha_s + 2 * links.nic_alpha_s
+        plans.append(_Plan("in_network", lat, tuple(phases_s)))
     return plans
 
 
@@ -354,7 +413,7 @@ def _collective_time_s(op: str, nbytes: float, group: Group, cluster: Cluster, *
 def algorithm_times_s(op: str, nbytes: float, group: Group, cluster: Cluster, *, first_rank: int = 0,
                       efficiency: CommEfficiency | None = None) -> dict[str, float]:
     """Seconds of every algorithm the model has for ``op`` on this group (``collective_time_s`` takes the
-    fastest): e.g. ``{"ring": ..., "tree": ...}`` for an all-reduce across nodes."""
+    fastest): e.g. ``{"ring": ..., "nvls": ...}`` for an all-reduce inside an H100 node."""
     _validate(op, nbytes, group, cluster, first_rank)
     eff = efficiency or DEFAULT_EFFICIENCY
     placement, links = _geometry(group.size, group.stride, first_rank, cluster, eff)

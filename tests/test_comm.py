@@ -1,5 +1,5 @@
-"""Collectives: the ramp against its published points, the alpha-beta structure by hand, placement, NIC
-sharing, calibration."""
+"""Collectives: the ramp against its published points, the alpha-beta structure by hand, NVLS / tree / PAT /
+SHARP choice, placement, NIC sharing, calibration."""
 
 from __future__ import annotations
 
@@ -42,8 +42,12 @@ def _cluster(node: str, nodes: int, **changes) -> Cluster:
 # Each published curve, priced on the system it was measured on: (cluster, ranks, algorithm or None = the best).
 REFERENCES = {
     "azure-nd-a100-v4-allreduce": (lambda: make_cluster("dgx-a100-80gb", 1), 8, "ring"),
+    "azure-nd-h100-v5-allreduce-nvls": (lambda: make_cluster("dgx-h100", 1), 8, "nvls"),
+    "azure-nd-h200-v5-allreduce-nvls": (lambda: make_cluster("dgx-h200", 1), 8, "nvls"),
     "dgx-h100-allreduce-ring": (lambda: make_cluster("dgx-h100", 1), 8, "ring"),
     "azure-nd-gb200-v6-allreduce-ring": (lambda: make_cluster("gb200-nvl72", 1, gpus_per_node=4), 4, "ring"),
+    "b200-allreduce-nvls": (lambda: make_cluster("dgx-b200", 1), 8, "nvls"),
+    "coreweave-gb200-nvl72-allreduce": (lambda: make_cluster("gb200-nvl72", 1), 72, "nvls"),
     "ib-hdr-a100-3node": (lambda: _cluster("dgx-a100-40gb", 3, nics_per_node=4), 24, None),
     "ib-ndr-h100-8node": (lambda: make_cluster("dgx-h100", 8), 64, None),
     "roce-400g-h100": (lambda: _cluster("dgx-h100", 4, nic=get_link("roce-400g")), 32, None),
@@ -60,11 +64,11 @@ def _measured_time_s(curve, size: float, busbw: float) -> float:
     return bus_factor(curve.op, curve.ranks) * size / (busbw * 1e9)
 
 
-def test_every_ring_curve_has_a_reference_system():
-    assert {c.name for c in load_profiles().curves.values() if c.algorithm != "nvls"} == set(REFERENCES)
+def test_every_curve_has_a_reference_system():
+    assert set(load_profiles().curves) == set(REFERENCES)
 
 
-@pytest.mark.parametrize("name", sorted(set(REFERENCES) - {"ib-ndr-h100-8node"}))  # above the ring: NVLS tree
+@pytest.mark.parametrize("name", sorted(REFERENCES))
 def test_the_ramp_reproduces_its_published_points(name):
     """On the group and system it was measured on, the model plus the source's own extra launch floor (its
     smallest-size time above the model's latency: one process driving all GPUs, ``-g 8``) gives back each
@@ -236,6 +240,7 @@ def test_heterogeneous_group_is_paced_by_its_slowest_links():
     assert _close(mixed.time_s, a100.time_s)
     h100_only = collective_time_s("all_reduce", GIB, Group(size=16), hetero, first_rank=32)
     assert h100_only.time_s < mixed.time_s
+    assert "nvls_tree" not in algorithm_times_s("all_reduce", GIB, Group(size=16), hetero, first_rank=24)
 
 
 def test_efficiency_constants_are_overridable():
@@ -244,6 +249,69 @@ def test_efficiency_constants_are_overridable():
     slow = collective_time_s("all_gather", GIB, Group(size=8), cluster,
                              efficiency=dataclasses.replace(FLAT, nvswitch=0.4))
     assert _close(slow.time_s - base.time_s, 7 / 8 * GIB / (300e9 * 0.4) - 7 / 8 * GIB / INTRA_BPS)
+
+
+# ------------------------------------------------------------------------------------------ algorithm choice
+
+
+def test_nvls_beats_the_ring_on_8_h100_for_large_messages():
+    cluster = make_cluster("dgx-h100", 1)
+    big = algorithm_times_s("all_reduce", GIB, Group(size=8), cluster)
+    assert 1.2 < big["ring"] / big["nvls"] < 1.4  # ~480 vs ~370 busbw published
+    cost = collective_time_s("all_reduce", GIB, Group(size=8), cluster)
+    assert cost.algorithm == "nvls" and cost.bus_gbps == pytest.approx(466.35, rel=0.01)
+    small = collective_time_s("all_reduce", 64 * 1024.0, Group(size=8), cluster)
+    assert small.algorithm == "ring"  # NVLS's 25 us latency loses below a few hundred KiB
+    assert "nvls" not in algorithm_times_s("all_reduce", GIB, Group(size=8), make_cluster("dgx-a100-80gb", 1))
+    assert "nvls" not in algorithm_times_s("all_gather", GIB, Group(size=8), cluster)
+
+
+def test_nvls_bus_bandwidth_follows_the_group_size():
+    """NVLS moves each GPU's buffer once each way: its algorithm bandwidth is fixed, so on 2 GPUs (busbw =
+    algbw) the ring is faster and on 8 the switch."""
+    cluster = make_cluster("dgx-h100", 1)
+    two = algorithm_times_s("all_reduce", GIB, Group(size=2), cluster)
+    assert two["ring"] < two["nvls"]
+    eight = algorithm_times_s("all_reduce", GIB, Group(size=8), cluster)
+    assert two["nvls"] == pytest.approx(eight["nvls"], rel=0.03)
+
+
+def test_nvls_tree_across_h100_nodes():
+    cluster = make_cluster("dgx-h100", 2)
+    cost = collective_time_s("all_reduce", GIB, Group(size=16), cluster)
+    assert cost.algorithm == "nvls_tree" and cost.bus_gbps > 1.2 * collective_time_s(
+        "all_reduce", GIB, Group(size=16), cluster, efficiency=FLAT).bus_gbps
+    eight = collective_time_s("all_reduce", 8 * GIB, Group(size=64), make_cluster("dgx-h100", 8))
+    assert eight.bus_gbps == pytest.approx(385.56, rel=0.03)  # 8 NDR NICs bound it (CoreWeave, 64 H100)
+
+
+def test_pat_for_all_gather_and_reduce_scatter_at_large_rank_counts():
+    """One GPU of the group per node (dp over tp=8 on 1,024 nodes): PAT's logarithmic network latency wins
+    for small and medium messages, the ring's full bandwidth for large ones (NCCL 2.23+)."""
+    cluster = make_cluster("dgx-h100", 1024)
+    group = Group(size=1024, stride=8)
+    tiny = algorithm_times_s("all_gather", 8.0, group, cluster)
+    assert tiny["pat"] == pytest.approx(8e-6 + 10 * 5e-6 / 3.5 + 1024 * 2.8e-6, rel=1e-3)
+    assert tiny["ring"] == pytest.approx(BASE + 1023 * 5e-6, rel=1e-3)
+    for op in ("all_gather", "reduce_scatter"):
+        assert collective_time_s(op, 64 * MIB, group, cluster).algorithm == "pat"
+        assert collective_time_s(op, 16 * GIB, group, cluster).algorithm == "ring"
+    assert "pat" not in algorithm_times_s("all_gather", 64 * MIB, Group(size=1024), make_cluster("dgx-h100", 128))
+    assert "pat" not in algorithm_times_s("all_reduce", 64 * MIB, group, cluster)
+
+
+def test_ib_sharp_only_where_the_profile_says_so(tmp_path):
+    path = tmp_path / "sharp.toml"
+    path.write_text(
+        '[links.ib-ndr-sharp]\nkind = "infiniband"\ngbps_per_direction = 50\nlatency_s = 5.0e-6\nsharp = true\n'
+        'curves = ["ib-ndr-h100-8node"]\nsource = "test: NDR with SHARP switches"\n'
+        '[nodes.dgx-a100-sharp]\ngpu = "A100-SXM4-80GB"\ngpus_per_node = 8\nintra = "nvswitch-a100"\n'
+        'nic = "ib-ndr-sharp"\nnics_per_node = 8\nsource = "test"\n[[groups]]\nnode = "dgx-a100-sharp"\ncount = 16\n')
+    sharp = load_cluster_file(path)
+    times = algorithm_times_s("all_reduce", GIB, Group(size=128), sharp)
+    assert times["in_network"] < times["ring"]
+    assert collective_time_s("all_reduce", GIB, Group(size=128), sharp).algorithm == "in_network"
+    assert "in_network" not in algorithm_times_s("all_reduce", GIB, Group(size=128), make_cluster("dgx-a100-80gb", 16))
 
 
 # ------------------------------------------------------------------------------------------ calibration, errors

@@ -12,8 +12,8 @@ from costmodel.profiles import (
     PROFILES_DIR,
     custom_cluster,
     get_accelerator,
-    get_link,
     get_node_type,
+    get_link,
     list_accelerators,
     list_node_types,
     load_cluster_file,
@@ -237,6 +237,7 @@ def test_every_new_node_prices_collectives_inside_and_across(name):
     across = collective_time_s("all_reduce", 2.0**28, Group(size=2, stride=gpn), cluster)
     assert inside.link_kind == "nvswitch" and across.link_kind == "infiniband"
     assert 0 < inside.time_s < across.time_s
+    assert inside.algorithm == "nvls"  # NVSwitch gen 3 and later reduce in the switch
 
 
 def test_nvl72_is_one_nvlink_domain_of_72_gpus_with_a_nic_each():
