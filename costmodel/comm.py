@@ -25,6 +25,8 @@ Pure functions of (op, bytes, group, cluster). Conventions follow NCCL / nccl-te
   ``g`` = group members per node, ``N`` = nodes spanned. Every GPU of a node is assumed to run its own
   instance of the same collective at once (SPMD), so a ring crossing nodes gets ``node NIC bw x g /
   gpus_per_node`` and a per-GPU phase its rail share. The slowest node type of the group sets each rate.
+- ``concurrent_times_s`` prices collectives that run at the same time: each one's busy time on each rank's
+  NVLink and NIC share is shared out equally (processor sharing) with the others on the same resource.
 - Calibration: a cluster whose calibration measured this accelerator (the ``local`` cluster) uses the fitted
   alpha and bus bandwidth of each op instead, for groups inside one node and for every group of ``local``.
 """
@@ -34,6 +36,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 from costmodel.collectives import COLLECTIVE_OPS, ring_terms
 from costmodel.comm_ramp import Ramp, build_ramp
@@ -106,6 +109,16 @@ class CommCost:
     algorithm: str = ""
     """``ring``, ``tree``, ``nvls``, ``nvls_tree``, ``in_network``, ``pat``, ``pairwise``, ``p2p``,
     ``calibrated`` or ``none``."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Collective:
+    """One collective of a set that runs at the same time (``concurrent_times_s``)."""
+
+    op: str
+    nbytes: float
+    group: Group
+    first_rank: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -261,6 +274,12 @@ class _Plan:
 
     def _phase_s(self) -> list[float]:
         return [nbytes / rate.at(msg) for _, nbytes, rate, msg in self.phases]
+
+    def busy_s(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for (resource, *_), t in zip(self.phases, self._phase_s()):
+            out[resource] = out.get(resource, 0.0) + t
+        return out
 
     def time_s(self) -> float:
         return self.latency_s + max(self._phase_s())
@@ -434,3 +453,51 @@ def _geometry(size: int, stride: int, first_rank: int, cluster: Cluster, eff: Co
 def _geometry_cached(size: int, stride: int, first_rank: int, groups: tuple, eff: CommEfficiency) -> tuple[Placement, _Links]:
     placement = place(Group(size=size, stride=stride), Cluster(name="", groups=groups), first_rank=first_rank)
     return placement, _links(placement, eff)
+
+
+def concurrent_times_s(collectives: Sequence[Collective], cluster: Cluster, *,
+                       efficiency: CommEfficiency | None = None) -> tuple[CommCost, ...]:
+    """Times of collectives that start together and share links (e.g. a data-parallel reduce-scatter and the
+    pipeline send/recv on the same NICs; tensor-parallel all-reduces on NVLink beside data-parallel traffic
+    that also crosses NVLink).
+
+    Each collective is priced alone (its algorithm as ``collective_time_s`` picks it), then its busy time on
+    each member rank's NVLink (``intra``) and NIC share (``nic``) is shared equally with the other collectives
+    busy on the same rank's same resource (processor sharing: collective ``i`` finishes its part on a resource
+    at ``sum_j min(d_j, d_i)`` of the busy times there). Its time is its latency plus the latest of those, and
+    never less than alone. Collectives on disjoint ranks or resources do not slow each other. Memoized (the
+    cluster by identity)."""
+    return _concurrent_cached(tuple(collectives), ByIdentity(cluster), efficiency)
+
+
+@functools.lru_cache(maxsize=4096)
+def _concurrent_cached(collectives: tuple[Collective, ...], cluster_id: ByIdentity,
+                       efficiency: CommEfficiency | None) -> tuple[CommCost, ...]:
+    cluster: Cluster = cluster_id.obj
+    eff = efficiency or DEFAULT_EFFICIENCY
+    alone = [collective_time_s(c.op, c.nbytes, c.group, cluster, first_rank=c.first_rank, efficiency=efficiency)
+             for c in collectives]
+    demands: list[dict[tuple[str, int], float]] = []
+    latency: list[float] = []
+    for c, cost in zip(collectives, alone):
+        plan = _plan_of(c, cluster, eff, cost)
+        if plan is None:  # calibrated, trivial: not shared
+            demands.append({})
+            latency.append(cost.time_s)
+            continue
+        ranks = [c.first_rank + k * c.group.stride for k in range(c.group.size)]
+        demands.append({(res, r): busy for res, busy in plan.busy_s().items() for r in ranks})
+        latency.append(plan.latency_s)
+    out = []
+    for i, (c, cost) in enumerate(zip(collectives, alone)):
+        shared = [sum(min(d[key], di) for d in demands if key in d) for key, di in demands[i].items()]
+        time_s = max(cost.time_s, latency[i] + max(shared, default=0.0))
+        out.append(_cost(c.op, c.nbytes, c.group.size, time_s, cost.link_kind, cost.algorithm))
+    return tuple(out)
+
+
+def _plan_of(c: Collective, cluster: Cluster, eff: CommEfficiency, cost: CommCost) -> _Plan | None:
+    if cost.algorithm in ("calibrated", "none"):
+        return None
+    placement, links = _geometry(c.group.size, c.group.stride, c.first_rank, cluster, eff)
+    return _best_plan(c.op, c.nbytes, placement, links, eff)

@@ -48,7 +48,7 @@ from costmodel.rank_groups import rank_clusters, slowest_device
 from costmodel import memory as mem
 from costmodel import pipeline as pl
 from costmodel.collectives import ring_terms
-from costmodel.comm import CommEfficiency, DEFAULT_EFFICIENCY, Group, collective_time_s
+from costmodel.comm import CommEfficiency, DEFAULT_EFFICIENCY, Collective, Group, collective_time_s, concurrent_times_s
 from costmodel.compute import op_time_s
 from costmodel.errors import ConfigError
 from costmodel.hardware import Cluster
@@ -442,6 +442,32 @@ def _pipeline(parts: tuple[_CtxKey, ...], classes: tuple[int, ...], cluster: ByI
             "chunks": ch}
 
 
+# --- concurrent traffic (costmodel.comm.concurrent_times_s): the overlapped gradient reduction shares links
+# with the pipeline sends of the same backward window.
+def _pipeline_traffic_slowdown(workload: Workload, cfg: ParallelConfig, parts: tuple[Cluster, ...], rank: int, *,
+                               dense: float) -> float:
+    """How much longer pipeline rank ``rank``'s data-parallel gradient reduction takes because the pipeline
+    sends of the backward it overlaps (one per chunk of the rank, to the next rank) run on the same links at
+    the same time: the reduction of the dense gradient priced alone and beside those sends. 1 without a
+    pipeline, on the last rank, or on clusters of several node groups."""
+    if cfg.pp == 1 or cfg.dp * cfg.cp == 1 or rank == cfg.pp - 1 or len(parts) != 1 or len(parts[0].groups) != 1:
+        return 1.0
+    cluster = parts[0]
+    stride = cfg.tp * cfg.cp * cfg.dp
+    first = rank * stride
+    send = cfg.microbatch * workload.seq / cfg.cp * workload.hidden * workload.dtype_bytes / cfg.tp
+    op = "all_reduce" if cfg.zero_stage == 0 else "reduce_scatter"
+    grads = Collective(op=op, nbytes=dense * workload.dtype_bytes, group=Group(size=cfg.dp * cfg.cp, stride=cfg.tp),
+                       first_rank=first)
+    sends = Collective(op="send_recv", nbytes=cfg.virtual_stages * send, group=Group(size=2, stride=stride),
+                       first_rank=first)
+    if grads.nbytes <= 0 or first + stride >= cluster.num_devices:
+        return 1.0
+    alone = collective_time_s(grads.op, grads.nbytes, grads.group, cluster, first_rank=first).time_s
+    shared = concurrent_times_s((grads, sends), cluster)[0].time_s
+    return shared / alone if alone > 0 else 1.0
+
+
 def _can_overlap(cluster: Cluster) -> bool:
     """False where a CPU calibration says the local ranks keep every core busy: nothing runs the collectives
     beside the compute, so overlapped gradient traffic is exposed whole."""
@@ -473,6 +499,8 @@ def _data_parallel(workload: Workload, cfg: ParallelConfig, parts: tuple[Cluster
             window = pipe["total_s"]
         else:
             window = bwd_l[r]
+        if window > 0 and cfg.zero_stage < 3:
+            t *= _pipeline_traffic_slowdown(workload, cfg, parts, r, dense=key[0])
         e = _exposed(t, window, k)
         if window > 0 and cfg.zero_stage < 3:  # the last bucket starts when the backward ends
             grad_bytes = (key[0] + key[1]) * workload.dtype_bytes

@@ -1,5 +1,5 @@
 """Collectives: the ramp against its published points, the alpha-beta structure by hand, NVLS / tree / PAT /
-SHARP choice, placement, NIC sharing, calibration."""
+SHARP choice, placement, NIC sharing, concurrent traffic, calibration."""
 
 from __future__ import annotations
 
@@ -10,7 +10,16 @@ import numpy as np
 import pytest
 
 from costmodel.calibration import Calibration, CollectiveFit
-from costmodel.comm import CommEfficiency, Group, algorithm_times_s, collective_time_s, curve_ramp, place
+from costmodel.comm import (
+    Collective,
+    CommEfficiency,
+    Group,
+    algorithm_times_s,
+    collective_time_s,
+    concurrent_times_s,
+    curve_ramp,
+    place,
+)
 from costmodel.collectives import ring_terms
 from costmodel.comm_ramp import bus_factor, source_floor_s
 from costmodel.errors import ConfigError
@@ -314,6 +323,46 @@ def test_ib_sharp_only_where_the_profile_says_so(tmp_path):
     assert "in_network" not in algorithm_times_s("all_reduce", GIB, Group(size=128), make_cluster("dgx-a100-80gb", 16))
 
 
+# ------------------------------------------------------------------------------------------ concurrent traffic
+
+
+def test_concurrent_collectives_on_disjoint_links_do_not_slow_each_other():
+    cluster = make_cluster("dgx-h100", 4)
+    tp = Collective(op="all_reduce", nbytes=64 * MIB, group=Group(size=8))  # NVLink of node 0
+    dp = Collective(op="reduce_scatter", nbytes=GIB, group=Group(size=4, stride=8))  # NIC only (one per node)
+    alone = [collective_time_s(c.op, c.nbytes, c.group, cluster).time_s for c in (tp, dp)]
+    together = concurrent_times_s((tp, dp), cluster)
+    assert [c.time_s for c in together] == pytest.approx(alone)
+    other_node = Collective(op="all_reduce", nbytes=64 * MIB, group=Group(size=8), first_rank=8)
+    assert concurrent_times_s((tp, other_node), cluster)[0].time_s == pytest.approx(alone[0])
+
+
+def test_concurrent_collectives_share_a_nic_by_processor_sharing():
+    """A data-parallel reduce-scatter and a pipeline send on the same GPU's NIC: the smaller demand d1
+    finishes at 2 d1, the larger at d1 + d2 (plus each one's latency)."""
+    cluster = make_cluster("dgx-h100", 4)
+    dp = Collective(op="reduce_scatter", nbytes=GIB, group=Group(size=4, stride=8))  # ranks 0, 8, 16, 24
+    pp = Collective(op="send_recv", nbytes=64 * MIB, group=Group(size=2, stride=8))  # ranks 0, 8
+    a_dp, a_pp = (collective_time_s(c.op, c.nbytes, c.group, cluster) for c in (dp, pp))
+    lat_dp = BASE + 3 * 5e-6 if a_dp.algorithm == "ring" else algorithm_times_s(
+        dp.op, 8.0, dp.group, cluster)[a_dp.algorithm]
+    d_dp, d_pp = a_dp.time_s - lat_dp, a_pp.time_s - (BASE + 5e-6)
+    t_dp, t_pp = (c.time_s for c in concurrent_times_s((dp, pp), cluster))
+    assert d_pp < d_dp
+    assert t_pp == pytest.approx(BASE + 5e-6 + 2 * d_pp, rel=1e-6)
+    assert t_dp == pytest.approx(lat_dp + d_dp + d_pp, rel=2e-3)
+    assert concurrent_times_s((dp,), cluster)[0].time_s == pytest.approx(a_dp.time_s)
+
+
+def test_tensor_parallel_all_reduce_shares_nvlink_with_a_data_parallel_ring_inside_the_node():
+    cluster = make_cluster("dgx-a100-80gb", 2)
+    tp = Collective(op="all_reduce", nbytes=256 * MIB, group=Group(size=4))  # ranks 0..3
+    dp = Collective(op="all_reduce", nbytes=GIB, group=Group(size=4, stride=4))  # ranks 0, 4, 8, 12: NVLink too
+    t_tp, t_dp = concurrent_times_s((tp, dp), cluster)
+    assert t_tp.time_s > collective_time_s(tp.op, tp.nbytes, tp.group, cluster).time_s * 1.2
+    assert t_dp.time_s >= collective_time_s(dp.op, dp.nbytes, dp.group, cluster).time_s
+
+
 # ------------------------------------------------------------------------------------------ calibration, errors
 
 
@@ -356,3 +405,20 @@ def test_gpu_calibration_applies_inside_a_node_only():
     assert inside.algorithm == "calibrated" and _close(inside.time_s, 14 * 1e-5 + 1.75 * GIB / 200e9)
     across = collective_time_s("all_reduce", GIB, Group(size=16), cluster)
     assert across.algorithm != "calibrated" and across.link_kind == "infiniband"
+
+
+def test_step_model_prices_the_overlapped_gradient_reduction_beside_the_pipeline_sends():
+    """The step model's one use of ``concurrent_times_s`` (``costmodel.step._pipeline_traffic_slowdown``):
+    with tp=8 x dp=2 x pp=2 on DGX H100 the data-parallel ring and the pipeline sends use the same GPU's NIC;
+    with pp=1 there is nothing to share."""
+    from costmodel.analytic import gpt_workload
+    from costmodel.step import ParallelConfig, _pipeline_traffic_slowdown
+
+    wl = gpt_workload(layers=8, hidden=4096, heads=32, vocab=51200, seq=4096, name="gpt-7b")
+    cluster = make_cluster("dgx-h100", 4)
+    shared = ParallelConfig(tp=8, pp=2, dp=2, microbatch=4, global_batch=64, schedule="1f1b")
+    slow = _pipeline_traffic_slowdown(wl, shared, (cluster,), 0, dense=1e9)
+    assert 1.0 < slow < 2.0
+    assert _pipeline_traffic_slowdown(wl, shared, (cluster,), 1, dense=1e9) == 1.0  # the last rank sends nothing
+    alone = ParallelConfig(tp=8, pp=1, dp=4, microbatch=4, global_batch=64, schedule="1f1b")
+    assert _pipeline_traffic_slowdown(wl, alone, (cluster,), 0, dense=1e9) == 1.0
