@@ -174,7 +174,8 @@ def _parse_link(name: str, data: Any, *, file: Path | str, curves: Mapping[str, 
     chosen = []
     for curve_name in t.strings("curves"):
         if curve_name not in curves:
-            t.fail(f"key 'curves' names {curve_name!r}, not a curve of comm_curves.toml; known: {', '.join(sorted(curves))}")
+            t.fail(f"key 'curves' names {curve_name!r}, not a curve of comm_curves.toml; "
+                   f"known: {', '.join(sorted(curves))}")
         chosen.append(curves[curve_name])
     for kinds in (("nvls",), ("ring", "auto")):
         sizes = [c.ranks for c in chosen if c.algorithm in kinds]
@@ -191,7 +192,8 @@ def _parse_link(name: str, data: Any, *, file: Path | str, curves: Mapping[str, 
     )
 
 
-def _parse_curve(name: str, data: Any, *, file: Path | str, link_latency: Mapping[str, float], shapes: dict) -> BusCurve:
+def _parse_curve(name: str, data: Any, *, file: Path | str, link_latency: Mapping[str, float],
+                 shapes: dict) -> BusCurve:
     """One ``[curves.NAME]`` table; ``shapes`` maps names to curves parsed so far (a shape is named before use)."""
     t = _Table(data, file=file, where=f"curves.{name}")
     t.check_keys(_CURVE_KEYS)
@@ -264,8 +266,8 @@ def _section(data: dict, key: str, *, file: Path | str, required: bool) -> dict:
     return data[key]
 
 
-def parse_profiles(*, accelerators: dict, links: dict, nodes: dict, files: tuple[str, ...], base: ProfileDB | None = None,
-                   curves: dict | None = None) -> ProfileDB:
+def parse_profiles(*, accelerators: dict, links: dict, nodes: dict, files: tuple[str, ...],
+                   base: ProfileDB | None = None, curves: dict | None = None) -> ProfileDB:
     """Build a ``ProfileDB`` from parsed TOML sections (extending ``base`` if given); ``files`` names the
     accelerators, links, nodes (and curves) files for error messages."""
     accels = dict(base.accelerators) if base else {}
@@ -295,7 +297,8 @@ def load_profiles(directory: str | None = None) -> ProfileDB:
         _section(_read_toml(p), key, file=p, required=True) for p, key in zip(paths, ("accelerators", "links", "nodes"))
     ]
     curves_path = root / "comm_curves.toml"
-    curves = _section(_read_toml(curves_path), "curves", file=curves_path, required=True) if curves_path.exists() else {}
+    curves = (_section(_read_toml(curves_path), "curves", file=curves_path, required=True)
+              if curves_path.exists() else {})
     return parse_profiles(
         accelerators=sections[0], links=sections[1], nodes=sections[2], curves=curves,
         files=tuple(str(p) for p in (*paths, curves_path)),
