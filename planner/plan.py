@@ -258,6 +258,11 @@ def model_fingerprint(params: Iterable[tuple[str, tuple[int, ...], str]]) -> str
     return "sha256:" + h.hexdigest()[:32]
 
 
+def module_fingerprint(module: Any) -> str:
+    """``model_fingerprint`` of a torch module (anything with ``named_parameters()``; no torch import here)."""
+    return model_fingerprint((n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters())
+
+
 def check_plan_matches(plan: Plan, *, fingerprint: str, world_size: int) -> None:
     """Refuse a plan made for another model or another world size, with the numbers."""
     if plan.model.fingerprint != fingerprint:

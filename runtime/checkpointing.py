@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -110,19 +110,27 @@ def apply_activation_checkpointing(model: nn.Module, *, layer_fqns: Iterable[str
     return model
 
 
-def apply_plan_recompute(model: nn.Module, *, plan: Any) -> nn.Module:
-    """Without a pipeline (pp = 1) the plan's single stage names the recomputation of every transformer layer:
-    set it on the model's layers (the pipelined path sets it per chunk in ``runtime.pipeline.cut_model``)."""
-    stages = sorted(plan.stages, key=lambda s: s.index)
-    mode = stages[0].recompute if stages else "none"
+def transformer_layers(model: nn.Module) -> list[str]:
+    """FQNs of the repeated layers, in order: the children of every outermost ``nn.ModuleList`` (what the planner
+    groups as blocks; a ModuleList inside a layer is part of that layer)."""
+    fqns: list[str] = []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.ModuleList) and not any(name.startswith(f + ".") for f in fqns):
+            fqns += [f"{name}.{child}" if name else child for child, _ in m.named_children()]
+    return fqns
+
+
+def apply_stage_recompute(model: nn.Module, *, layer_fqns: Sequence[str], stage: Any) -> list[str]:
+    """Set ``stage.recompute`` (a ``planner.plan.StagePlan``) on the stage's transformer layers ``layer_fqns``
+    (in execution order); the FQNs now recomputed."""
+    mode = stage.recompute
     if mode == "none":
-        return model
-    # the repeated layers: every child of a ModuleList (what the planner groups as blocks)
-    layers = [f"{name}.{child}" for name, m in model.named_modules() if isinstance(m, nn.ModuleList)
-              for child, _ in m.named_children()]
-    if not layers:
+        return []
+    if not layer_fqns:
         raise ConfigError(
-            f"recompute={mode}: {type(model).__name__} has no nn.ModuleList of layers to recompute; "
-            "re-plan with --fix recompute=none"
+            f"recompute={mode} (stage {stage.index}): {type(model).__name__} has no nn.ModuleList of layers to "
+            "recompute; re-plan with --fix recompute=none"
         )
-    return apply_activation_checkpointing(model, layer_fqns=layers, mode=mode)
+    chosen = list(layer_fqns)
+    apply_activation_checkpointing(model, layer_fqns=chosen, mode=mode)
+    return chosen

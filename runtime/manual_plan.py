@@ -24,7 +24,7 @@ from planner.plan import (
     ScheduleSpec,
     SolverStats,
     StagePlan,
-    model_fingerprint,
+    module_fingerprint,
 )
 
 _COLWISE = ("q_proj", "k_proj", "v_proj", "fc1", "gate_proj", "up_proj")
@@ -96,12 +96,11 @@ def manual_plan(
     world = degrees.world_size
     if shardings is None:
         shardings = megatron_shardings(model, sequence_parallel=sequence_parallel) if tp > 1 else ()
-    params = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
     ranks_of = [tuple(r for r in range(world) if r // (world // pp) == i) for i in range(pp)]
     return Plan(
         model=ModelInfo(
             name=name,
-            fingerprint=model_fingerprint(params),
+            fingerprint=module_fingerprint(model),
             params=sum(p.numel() for p in model.parameters()),
             flops_per_step=0.0,
             num_layers=len(_layer_list(model)[1]),

@@ -112,7 +112,7 @@ def _optimizer(params: Any) -> _Optimizers:
 def _rank_body(rank: int, plan: Plan, model_factory: Callable[[], nn.Module], cfg: dict[str, Any]) -> RankMeasurement:
     import torch.distributed as dist
 
-    from runtime.wrap import apply_plan
+    from runtime import apply_plan
 
     base = _rss_bytes()
     model = model_factory()

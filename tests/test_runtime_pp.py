@@ -26,6 +26,7 @@ from planner.plan import (
     Prediction,
     ScheduleSpec,
     StagePlan,
+    module_fingerprint,
 )
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -88,8 +89,8 @@ def make_plan(model, *, cuts: list[tuple[int, int]], pp: int, schedule: str, n_m
         for i, (lo, hi) in enumerate(cuts)
     )
     return Plan(
-        model=ModelInfo(name="tiny", fingerprint="sha256:0", params=1, flops_per_step=1.0, num_layers=4,
-                        seq_len=SEQ),
+        model=ModelInfo(name="tiny", fingerprint=module_fingerprint(model), params=1, flops_per_step=1.0,
+                        num_layers=4, seq_len=SEQ),
         cluster=ClusterInfo(name="local", num_devices=d.world_size, nodes=1, gpus_per_node=d.world_size, gpu="cpu"),
         degrees=d, mesh=MeshSpec.from_degrees(d), stages=stages, shardings=shardings,
         schedule=ScheduleSpec(name=schedule, microbatch_size=mb, num_microbatches=n_mb,
@@ -347,32 +348,25 @@ def _run_case(case) -> dict:
 
 
 def _run_plan(family: str, tied: bool, plan: Plan) -> dict:
-    """3 SGD steps of ``plan`` through build_pipeline on this rank: losses, local gradients, parameters, actions."""
-    from runtime.pipeline import build_pipeline, default_mesh
+    """3 SGD steps of ``plan`` through runtime.apply_plan on this rank: losses, local gradients, parameters,
+    actions."""
+    from runtime import apply_plan
 
-    tp = plan.degrees.tp
-    mesh = default_mesh(plan)
-    wrap = None
-    if tp > 1:
-        from runtime.tensor_parallel import apply_tensor_parallel
-
-        def wrap(chunk):
-            return apply_tensor_parallel(chunk, plan=plan, mesh=mesh, strict=False, loss_parallel_ok=False)
-
-    runner = build_pipeline(tiny_model(family, tied=tied), plan=plan, mesh=mesh, loss_fn=lm_loss, wrap_chunk=wrap)
+    pm = apply_plan(tiny_model(family, tied=tied), plan, loss_fn=lm_loss)
+    runner = pm.pipeline
     actions = _record_actions(runner)
-    opt = torch.optim.SGD(runner.parameters(), lr=LR)
+    opt = torch.optim.SGD(pm.parameters(), lr=LR)
     local_b = plan.schedule.microbatch_size * plan.schedule.num_microbatches
-    d = mesh.get_local_rank("dp")
-    out = {"losses": [], "grads": [], "pp_rank": runner.pp_rank, "tp_rank": mesh.get_local_rank("tp")}
+    d = pm.mesh.get_local_rank("dp")
+    out = {"losses": [], "grads": [], "pp_rank": runner.pp_rank, "tp_rank": pm.mesh.get_local_rank("tp")}
     for ids, tgt in batches(plan.global_batch):
         actions.clear()
         opt.zero_grad()
-        loss = runner.step(ids[d * local_b:(d + 1) * local_b], tgt[d * local_b:(d + 1) * local_b])
+        loss = pm.step(ids[d * local_b:(d + 1) * local_b], tgt[d * local_b:(d + 1) * local_b])
         out["losses"].append(loss.item())
-        out["grads"].append({n: _full(p.grad).clone() for n, p in runner.named_parameters() if p.grad is not None})
+        out["grads"].append({n: _full(p.grad).clone() for n, p in pm.named_parameters() if p.grad is not None})
         opt.step()
-    out["params"] = {n: _full(p.detach()).clone() for n, p in runner.named_parameters()}
+    out["params"] = {n: _full(p.detach()).clone() for n, p in pm.named_parameters()}
     out["actions"] = list(actions)
     return out
 
@@ -380,8 +374,8 @@ def _run_plan(family: str, tied: bool, plan: Plan) -> dict:
 def _apply_plan_meta_zero3(dp: int) -> list[float]:
     """Through runtime.apply_plan: a meta-device model, pp=2 x dp ZeRO-3 (FSDP2 on each chunk), materialised
     per chunk; the losses of 3 steps (compared with the single-process model in the parent)."""
+    from runtime import apply_plan
     from runtime.manual_plan import manual_plan
-    from runtime.wrap import apply_plan
 
     with torch.device("meta"):
         model = tiny_model("llama")
@@ -412,8 +406,8 @@ def _pp_body(rank: int, world_size: int, names: list[str]) -> dict:
 
 
 def _zero_bubble_fsdp_error() -> str:
+    from runtime import apply_plan
     from runtime.manual_plan import manual_plan
-    from runtime.wrap import apply_plan
 
     with torch.device("meta"):
         model = tiny_model("llama")
@@ -560,16 +554,13 @@ def test_planner_made_pipeline_plan_runs_and_matches_single_process():
     ``model.rotary_emb`` listed in the embedding group) run on 2 ranks with the single-process numbers."""
     from costmodel.profiles import resolve_cluster
     from dist_utils import run_distributed
-    from planner.plan import model_fingerprint
     from planner.search.driver import plan_model
 
     spec = "llama:layers=4,hidden=64,ffn=128,heads=4,kv_heads=2,vocab=128,seq=16"
     cluster = resolve_cluster("local", nodes=1, gpus_per_node=2)
     plan = plan_model(spec, cluster, global_batch=4, fix="pp=2,tp=1,dp=1,schedule=interleaved-1f1b,virtual_stages=2")
     model = tiny_model("llama")
-    assert plan.model.fingerprint == model_fingerprint(
-        (n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()
-    )
+    assert plan.model.fingerprint == module_fingerprint(model)
     assert plan.degrees.pp == 2 and plan.schedule.virtual_stages == 2
     results = run_distributed(_planned_body, world_size=2, args=(plan.to_dict(),), timeout_s=300)
     _check_plan("planner-made", "llama", False, plan, results)
@@ -577,14 +568,15 @@ def test_planner_made_pipeline_plan_runs_and_matches_single_process():
 
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])
 def test_plan_recompute_without_a_pipeline_sets_every_layer(mode):
-    """pp = 1: apply_plan sets the plan's single stage's recomputation on every transformer layer."""
-    from runtime.checkpointing import apply_plan_recompute, recompute_mode
+    """pp = 1: the plan's single stage's recomputation on every transformer layer (what runtime.parallelize sets)."""
+    from runtime.checkpointing import apply_stage_recompute, recompute_mode, transformer_layers
     from runtime.manual_plan import manual_plan
     from runtime.model_adapters import adapter_for
 
     model = tiny_model("llama")
-    apply_plan_recompute(model, plan=manual_plan(model, recompute=mode))
     layers = adapter_for(model).layout.layers
+    assert transformer_layers(model) == list(layers)
+    apply_stage_recompute(model, layer_fqns=layers, stage=manual_plan(model, recompute=mode).stages[0])
     assert [recompute_mode(model.get_submodule(fqn)) for fqn in layers] == [mode] * len(layers)
 
 

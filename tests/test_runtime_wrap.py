@@ -152,7 +152,7 @@ def test_manual_plan_validates_and_mismatch_messages():
     from costmodel.errors import PlanMismatchError
     from planner.plan import Plan, check_plan_matches
     from runtime.manual_plan import manual_plan
-    from runtime.wrap import fingerprint_of
+    from planner.plan import module_fingerprint as fingerprint_of
 
     opt = rc.opt_model()
     plan = manual_plan(opt, tp=2, dp=2, zero_stage=3, sequence_parallel=True, microbatch_size=2)
