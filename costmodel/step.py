@@ -52,7 +52,7 @@ from costmodel.compute import op_time_s
 from costmodel.errors import ConfigError
 from costmodel.hardware import Cluster
 from costmodel.layer_time import DEFAULT_STEP_CONSTANTS, LayerCtx, StepConstants, layer_time
-from costmodel.step_config import ParallelConfig, check_stage_layers, validate_config
+from costmodel.step_config import ParallelConfig, check_recompute_layers, check_stage_layers, validate_config
 from costmodel.workload import Workload
 
 __all__ = ["ParallelConfig", "StepEstimate", "StepConstants", "estimate_step", "even_stage_layers"]
@@ -169,6 +169,54 @@ def _structure(workload: Workload, stage_layers: tuple[int, ...]) -> tuple[tuple
     return _structure_cached(ByIdentity(workload.layers), tuple(stage_layers))
 
 
+@functools.lru_cache(maxsize=4096)
+def _recompute_mask_cached(layers: ByIdentity, stage_layers: tuple[int, ...],
+                           recompute_layers: tuple[int, ...] | None) -> tuple[bool, ...]:
+    entries = layers.obj
+    mask, start = [], 0
+    for c, n in enumerate(stage_layers):
+        left = None if recompute_layers is None else recompute_layers[c]
+        for layer in entries[start:start + n]:
+            on = layer.recomputable and (left is None or left > 0)
+            if on and left is not None:
+                left -= 1
+            mask.append(on)
+        start += n
+    return tuple(mask)
+
+
+def recompute_mask(workload: Workload, stage_layers: tuple[int, ...], cfg: ParallelConfig) -> tuple[bool, ...]:
+    """Per workload entry: whether it runs with ``cfg.recompute`` (the first ``recompute_layers[c]`` recomputable
+    entries of chunk ``c``; all of them when ``recompute_layers`` is None; none when the mode is ``none``)."""
+    if cfg.recompute == "none":
+        return (False,) * len(workload.layers)
+    rl = None if cfg.recompute_layers is None else tuple(int(x) for x in cfg.recompute_layers)
+    return _recompute_mask_cached(ByIdentity(workload.layers), tuple(stage_layers), rl)
+
+
+@functools.lru_cache(maxsize=4096)
+def _split_cached(layers: ByIdentity, stage_layers: tuple[int, ...], mask: tuple[bool, ...]
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    uniques, counts = _structure_cached(layers, stage_layers)
+    index = {id(u): i for i, u in enumerate(uniques)}
+    keys = {_layer_key(u): i for i, u in enumerate(uniques)}
+    owner = np.repeat(np.arange(len(stage_layers)), stage_layers)
+    rec = np.zeros_like(counts)
+    for e, (layer, on) in enumerate(zip(layers.obj, mask)):
+        if on:
+            rec[owner[e], index.get(id(layer), keys[_layer_key(layer)])] += 1.0
+    plain = counts - rec
+    for a in (plain, rec):
+        a.setflags(write=False)
+    return plain, rec
+
+
+def _split(workload: Workload, stage_layers: tuple[int, ...], mask: tuple[bool, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """(plain, recomputed) counts (chunks, distinct layers): how many of each distinct layer every chunk runs
+    without and with recomputation."""
+    return _split_cached(ByIdentity(workload.layers), tuple(stage_layers), mask)
+
+
 @functools.lru_cache(maxsize=256)
 def _even_cached(layers: ByIdentity, chunks: int) -> tuple[int, ...]:
     return _even_stage_layers([layer.kind for layer in layers.obj], chunks)
@@ -200,19 +248,30 @@ def _layer_columns(uniques: ByIdentity, ctx_key: _CtxKey) -> tuple[tuple[str, ..
 
 
 @functools.lru_cache(maxsize=4096)
-def _chunk_cached(ctx_key: _CtxKey, stage_layers: tuple[int, ...]) -> dict[str, np.ndarray]:
-    uniques, counts = _structure(ctx_key.workload.obj, stage_layers)
-    names, cols = _layer_columns(ByIdentity(uniques), ctx_key)
-    table = counts @ cols.T  # (chunks, columns)
-    table.setflags(write=False)
-    return {n: table[:, i] for i, n in enumerate(names)}
+def _chunk_cached(ctx_key: _CtxKey, stage_layers: tuple[int, ...], mask: tuple[bool, ...]) -> dict[str, np.ndarray]:
+    uniques, _ = _structure(ctx_key.workload.obj, stage_layers)
+    plain, rec = _split(ctx_key.workload.obj, stage_layers, mask)
+    parts = [(plain, dataclasses.replace(ctx_key, recompute="none"))]
+    if rec.any():
+        parts.append((rec, ctx_key))
+    out: dict[str, np.ndarray] = {}
+    for counts, key in parts:
+        names, cols = _layer_columns(ByIdentity(uniques), key)
+        table = counts @ cols.T  # (chunks, columns)
+        for i, n in enumerate(names):
+            out[n] = out[n] + table[:, i] if n in out else table[:, i]
+    for a in out.values():
+        a.setflags(write=False)
+    return out
 
 
-def _chunk_arrays(ctx_key: _CtxKey, stage_layers: tuple[int, ...]) -> dict[str, np.ndarray]:
-    """Per chunk: fwd, bwd, wgrad, recompute seconds and exposed comm seconds per link kind (cf:/cb:).
+def _chunk_arrays(ctx_key: _CtxKey, stage_layers: tuple[int, ...], mask: tuple[bool, ...]) -> dict[str, np.ndarray]:
+    """Per chunk: fwd, bwd, wgrad, recompute seconds and exposed comm seconds per link kind (cf:/cb:), the
+    entries of ``mask`` priced with the context's recomputation, the others without.
 
-    Read-only arrays, memoized per layer context and cut (the planner prices one context many times)."""
-    return _chunk_cached(ctx_key, stage_layers)
+    Read-only arrays, memoized per layer context, cut and recompute mask (the planner prices one context many
+    times)."""
+    return _chunk_cached(ctx_key, stage_layers, mask)
 
 
 def _p2p_s(workload: Workload, cluster: Cluster, *, pp: int, mb: int, tp: int, cp: int, dp: int) -> tuple[str, float]:
@@ -295,11 +354,11 @@ def _exposed(comm_s: float, window_s: float, k: StepConstants) -> float:
 
 
 def _merged_chunk_arrays(parts: tuple[_CtxKey, ...], classes: tuple[int, ...],
-                         stage_layers: tuple[int, ...]) -> dict[str, np.ndarray]:
+                         stage_layers: tuple[int, ...], mask: tuple[bool, ...]) -> dict[str, np.ndarray]:
     """Chunk arrays when pipeline ranks sit on different node groups: chunk ``c`` takes its values from the
     layer context of rank ``c % pp``'s group (link kinds missing from a group's table are zero there)."""
     n, pp = len(stage_layers), len(classes)
-    tables = [_chunk_arrays(k, stage_layers) for k in parts]
+    tables = [_chunk_arrays(k, stage_layers, mask) for k in parts]
     owner = np.array([classes[c % pp] for c in range(n)])
     names = list(tables[0]) + sorted({key for t in tables[1:] for key in t} - set(tables[0]))
     zero = np.zeros(n)
@@ -307,16 +366,17 @@ def _merged_chunk_arrays(parts: tuple[_CtxKey, ...], classes: tuple[int, ...],
 
 
 @functools.lru_cache(maxsize=4096)
-def _chunk_sums(parts: tuple[_CtxKey, ...], classes: tuple[int, ...], stage_layers: tuple[int, ...]) -> tuple:
+def _chunk_sums(parts: tuple[_CtxKey, ...], classes: tuple[int, ...], stage_layers: tuple[int, ...],
+                mask: tuple[bool, ...]) -> tuple:
     """The chunk arrays, per chunk F and B (+ recompute) seconds with their comm, compute seconds and the
     comm seconds per link kind (F + B): what ``_pipeline`` needs of the layers, whatever the schedule.
 
     ``parts``: one layer context per node-group part of the cluster; ``classes``: per pipeline rank, its part
     (``()``: all in part 0)."""
     if classes:
-        ch = _merged_chunk_arrays(parts, classes, stage_layers)
+        ch = _merged_chunk_arrays(parts, classes, stage_layers, mask)
     else:
-        ch = _chunk_arrays(parts[0], stage_layers)
+        ch = _chunk_arrays(parts[0], stage_layers, mask)
     n = len(stage_layers)
     kinds = sorted({key[3:] for key in ch if key.startswith(("cf:", "cb:"))})
     comm_f = {kd: ch.get(f"cf:{kd}", np.zeros(n)) for kd in kinds}
@@ -332,13 +392,14 @@ def _chunk_sums(parts: tuple[_CtxKey, ...], classes: tuple[int, ...], stage_laye
 
 @functools.lru_cache(maxsize=4096)
 def _pipeline(parts: tuple[_CtxKey, ...], classes: tuple[int, ...], cluster: ByIdentity,
-              stage_layers: tuple[int, ...], *, schedule: str, pp: int, v: int, m: int, dp: int) -> dict:
+              stage_layers: tuple[int, ...], mask: tuple[bool, ...], *, schedule: str, pp: int, v: int, m: int,
+              dp: int) -> dict:
     """Per-chunk F / B / W seconds, the pipeline time and the busiest rank's split of its work.
 
     Memoized (pure); callers copy ``parts`` before changing it and never write to the arrays. The p2p hops
     between ranks are priced on the whole ``cluster`` (they may cross node groups)."""
     ctx_key = parts[0]
-    ch, tf, tb, compute, comm = _chunk_sums(parts, classes, stage_layers)
+    ch, tf, tb, compute, comm = _chunk_sums(parts, classes, stage_layers, mask)
     tw = np.zeros(pp * v)
     if schedule == "zero-bubble":
         tw = ch["wgrad"]
@@ -426,20 +487,24 @@ def _inflight(schedule: str, pp: int, m: int, v: int) -> np.ndarray:
     return out
 
 
-def _memory(workload: Workload, cfg: ParallelConfig, uniques: list, counts: np.ndarray, dense: np.ndarray,
-            expert: np.ndarray, m: int, mc: mem.MemoryConstants) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """Memory terms per pipeline rank (arrays of bytes) and the totals with the allocator reserve."""
+def _memory(workload: Workload, cfg: ParallelConfig, uniques: list, counts: np.ndarray, rec_counts: np.ndarray,
+            dense: np.ndarray, expert: np.ndarray, m: int, mc: mem.MemoryConstants
+            ) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Memory terms per pipeline rank (arrays of bytes) and the totals with the allocator reserve.
+    ``rec_counts``: the recomputed part of ``counts`` (``_split``)."""
     w, pp, v, b = workload, cfg.pp, cfg.virtual_stages, cfg.microbatch
     sp = cfg.sequence_parallel and cfg.tp > 1
     dims = dict(seq=w.seq, microbatch=b, hidden=w.hidden, heads=w.heads, tp=cfg.tp, sp=sp, cp=cfg.cp,
                 flash=cfg.flash_attention, ffn_hidden=w.ffn_hidden, kv_heads=w.kv_heads, glu=w.glu)
-    per_layer = mem.activation_bytes_per_layer(recompute=cfg.recompute, **dims)
+    plain_layer = mem.activation_bytes_per_layer(recompute="none", **dims)
+    rec_layer = mem.activation_bytes_per_layer(recompute=cfg.recompute, **dims)
     working = 0.0
     if cfg.recompute == "full":
         working = mem.full_layer_activation_bytes(**dims)
     elif cfg.recompute == "selective" and not cfg.flash_attention:
         working = 5.0 * w.heads * w.seq * w.seq * b / (cfg.tp * cfg.cp * cfg.cp)
     tr_per_rank, max_tr_params = _transformer_layers(ByIdentity(uniques), ByIdentity(counts), v, pp)
+    rec_per_rank, _ = _transformer_layers(ByIdentity(uniques), ByIdentity(rec_counts), v, pp)
     inflight = _inflight(cfg.schedule, pp, m, v)
     terms = mem.model_state_bytes(params=dense, zero_stage=cfg.zero_stage, dp=cfg.dp * cfg.cp, constants=mc)
     if expert.any():
@@ -447,7 +512,8 @@ def _memory(workload: Workload, cfg: ParallelConfig, uniques: list, counts: np.n
                                    dp=max(1, cfg.dp // cfg.ep) * cfg.cp, constants=mc)
         terms = {key: terms[key] + ex[key] for key in terms}
     tokens = b * w.seq / cfg.cp
-    terms["activations"] = per_layer * tr_per_rank * inflight + working
+    per_rank = plain_layer * (tr_per_rank - rec_per_rank) + rec_layer * rec_per_rank
+    terms["activations"] = per_rank * inflight + np.where(rec_per_rank > 0, working, 0.0)
     logits = np.zeros(pp)
     logits[-1] = tokens * max(1, w.vocab // cfg.tp) * mc.logits_bytes
     terms["logits"] = logits
@@ -461,22 +527,23 @@ def _memory(workload: Workload, cfg: ParallelConfig, uniques: list, counts: np.n
     return terms, subtotal + terms["allocator_reserve"]
 
 
-def _flops(workload: Workload, stage_layers: tuple[int, ...], cfg: ParallelConfig) -> tuple[float, float]:
+def _flops(workload: Workload, stage_layers: tuple[int, ...], cfg: ParallelConfig,
+           mask: tuple[bool, ...]) -> tuple[float, float]:
     """(model, hardware) FLOPs of one step: 6N + attention, plus what recomputation re-runs (memoized)."""
-    return _flops_cached(ByIdentity(workload.layers), stage_layers, cfg.recompute, cfg.global_batch)
+    return _flops_cached(ByIdentity(workload.layers), stage_layers, mask, cfg.recompute, cfg.global_batch)
 
 
 @functools.lru_cache(maxsize=4096)
-def _flops_cached(layers: ByIdentity, stage_layers: tuple[int, ...], recompute: str,
+def _flops_cached(layers: ByIdentity, stage_layers: tuple[int, ...], mask: tuple[bool, ...], recompute: str,
                   global_batch: int) -> tuple[float, float]:
     uniques, counts = _structure_cached(layers, stage_layers)
     n = counts.sum(axis=0)  # entries of each distinct layer
     model = global_batch * float(n @ np.array([l.flops_fwd + l.flops_bwd for l in uniques]))
-    tr = np.array([l.kind == "transformer" for l in uniques], dtype=float) * n
+    rec = _split_cached(layers, stage_layers, mask)[1].sum(axis=0)  # recomputed entries of each distinct layer
     if recompute == "full":
-        extra = float(tr @ np.array([l.flops_fwd for l in uniques]))
+        extra = float(rec @ np.array([l.flops_fwd for l in uniques]))
     elif recompute == "selective":
-        extra = float(tr @ np.array([l.attn_flops_fwd for l in uniques]))
+        extra = float(rec @ np.array([l.attn_flops_fwd for l in uniques]))
     else:
         extra = 0.0
     return model, model + global_batch * extra
@@ -491,12 +558,14 @@ def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_l
     else:
         stage_layers = tuple(int(x) for x in stage_layers)
         check_stage_layers(stage_layers, workload, chunks)
+    check_recompute_layers(cfg, workload, stage_layers)
+    mask = recompute_mask(workload, stage_layers, cfg)
     clusters, classes = rank_clusters(cluster, cfg.pp)
     parts = tuple(_CtxKey(workload=ByIdentity(workload), cluster=ByIdentity(part), microbatch=cfg.microbatch,
                           tp=cfg.tp, cp=cfg.cp, ep=cfg.ep, sp=cfg.sequence_parallel and cfg.tp > 1,
                           recompute=cfg.recompute, flash=cfg.flash_attention, constants=k) for part in clusters)
     uniques, counts = _structure(workload, stage_layers)
-    pipe = _pipeline(parts, classes, ByIdentity(cluster), stage_layers, schedule=cfg.schedule, pp=cfg.pp,
+    pipe = _pipeline(parts, classes, ByIdentity(cluster), stage_layers, mask, schedule=cfg.schedule, pp=cfg.pp,
                      v=cfg.virtual_stages, m=m, dp=cfg.dp)
     dense, expert = _rank_params(workload, stage_layers, cfg)
     tr_per_rank, _ = _transformer_layers(ByIdentity(uniques), ByIdentity(counts), cfg.virtual_stages, cfg.pp)
@@ -507,13 +576,14 @@ def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_l
         breakdown[key] = breakdown.get(key, 0.0) + dp["exposed_s"]
     breakdown["optimizer"] = dp["optimizer_s"]
     step_s = pipe["total_s"] + dp["exposed_s"] + dp["optimizer_s"]
-    terms, totals = _memory(workload, cfg, uniques, counts, dense, expert, m, mc)
+    rec_counts = _split(workload, stage_layers, mask)[1]
+    terms, totals = _memory(workload, cfg, uniques, counts, rec_counts, dense, expert, m, mc)
     worst = int(np.argmax(totals))
     worst_mem = mem.MemoryEstimate(terms={key: float(val[worst]) for key, val in terms.items()})
     part_gb = [min(g.node.gpu.memory_bytes for g in part.groups) / mem.GB for part in clusters]
     limits_gb = tuple(part_gb[_class_of(classes, r)] for r in range(cfg.pp))
     fits = all(t / mem.GB <= lim for t, lim in zip(totals.tolist(), limits_gb))  # each rank within its own
-    model_f, hw_f = _flops(workload, stage_layers, cfg)
+    model_f, hw_f = _flops(workload, stage_layers, cfg, mask)
     n = cluster.num_devices
     peak = sum(g.node.gpu.tflops("bf16") * g.node.gpus_per_node * g.count for g in cluster.groups)
     return StepEstimate(

@@ -31,6 +31,10 @@ class ParallelConfig:
     virtual_stages: int | None = 1
     """Model chunks per pipeline rank (interleaved / zero-bubble); None: chosen."""
     recompute: str = "none"
+    recompute_layers: tuple[int, ...] | None = None
+    """Per pipeline chunk (``pp * virtual_stages`` entries): how many of the chunk's layers (every block but the
+    embedding and the head), counted from its first, run with ``recompute``; None: all of them (Megatron-LM's
+    ``--recompute-num-layers`` per stage). Ignored when ``recompute`` is ``none``."""
     sequence_parallel: bool = False
     zero_stage: int = 0
     flash_attention: bool = True
@@ -145,3 +149,23 @@ def check_stage_layers(stage_layers: tuple[int, ...], workload: Workload, chunks
             f"stage_layers={tuple(stage_layers)} must be {chunks} positive counts (pp*virtual_stages) summing "
             f"to the workload's {n} entries"
         )
+
+
+def check_recompute_layers(cfg: ParallelConfig, workload: Workload, stage_layers: tuple[int, ...]) -> None:
+    """``recompute_layers``: one count per chunk, each between 0 and the chunk's recomputable layers."""
+    rl = cfg.recompute_layers
+    if rl is None:
+        return
+    if len(rl) != len(stage_layers):
+        raise ConfigError(
+            f"recompute_layers={tuple(rl)} has {len(rl)} entries; give one per pipeline chunk "
+            f"(pp*virtual_stages={len(stage_layers)})"
+        )
+    start = 0
+    for c, (k, n) in enumerate(zip(rl, stage_layers)):
+        have = sum(1 for layer in workload.layers[start:start + n] if layer.recomputable)
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= have:
+            raise ConfigError(
+                f"recompute_layers[{c}]={k!r}: chunk {c} has {have} recomputable layers; use 0..{have}"
+            )
+        start += n

@@ -34,6 +34,11 @@ class LayerWork:
     bytes_fwd: float = 0.0
     """Bytes read + written by the forward pass (for memory-bound ops on the roofline)."""
 
+    @property
+    def recomputable(self) -> bool:
+        """Whether activation recomputation applies: every block but the embedding and the head."""
+        return self.kind not in ("embedding", "head")
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Workload:

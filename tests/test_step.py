@@ -72,6 +72,39 @@ def test_recompute_trades_time_for_memory(gpt175, cluster64):
     assert fl[0] == pytest.approx(fl[1]) and fl[1] < none.memory_breakdown_gb["activations"]
 
 
+def test_recompute_layers_per_stage(gpt175, cluster64):
+    """Recomputing k of each stage's 12 layers sits between none and all of them, monotone in k, and the
+    endpoints equal the whole-model modes."""
+    full = estimate_step(gpt175, cfg(), cluster64)
+    none = estimate_step(gpt175, cfg(recompute="none"), cluster64)
+    assert estimate_step(gpt175, cfg(recompute_layers=(12,) * 8), cluster64).step_time_s == pytest.approx(
+        full.step_time_s)
+    zero = estimate_step(gpt175, cfg(recompute_layers=(0,) * 8), cluster64)
+    assert zero.step_time_s == pytest.approx(none.step_time_s)
+    assert zero.memory_gb_per_device == pytest.approx(none.memory_gb_per_device)
+    assert zero.hw_tflops_per_gpu == pytest.approx(zero.model_tflops_per_gpu)
+    times, mems = [], []
+    for k in (0, 3, 6, 12):
+        est = estimate_step(gpt175, cfg(recompute_layers=(k,) * 8), cluster64)
+        times.append(est.step_time_s)
+        mems.append(est.memory_breakdown_gb["activations"])
+    assert times == sorted(times) and mems == sorted(mems, reverse=True)
+    assert len(set(times)) == 4 and len(set(mems)) == 4
+    # only the stage that recomputes pays for it
+    one = estimate_step(gpt175, cfg(recompute_layers=(12,) + (0,) * 7), cluster64)
+    assert one.stage_time_s[0] == pytest.approx(full.stage_time_s[0])
+    assert one.stage_time_s[1] == pytest.approx(none.stage_time_s[1])
+    assert one.stage_memory_gb[0] < none.stage_memory_gb[0]
+    assert one.stage_memory_gb[1] == pytest.approx(none.stage_memory_gb[1])
+
+
+@pytest.mark.parametrize("rl, match", [((1,) * 7, "one per pipeline chunk"), ((13,) * 8, "use 0..12"),
+                                       ((-1,) * 8, "use 0..12")])
+def test_recompute_layers_errors(gpt175, cluster64, rl, match):
+    with pytest.raises(ConfigError, match=match):
+        estimate_step(gpt175, cfg(recompute_layers=rl), cluster64)
+
+
 def test_zero_stages_shrink_model_states(cluster64):
     w = gpt_workload(layers=24, hidden=2048, heads=16)
     totals = []
