@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,6 +113,10 @@ class StagePlan:
     ranks: tuple[int, ...]
     """Global ranks holding this chunk."""
     recompute: Recompute = "none"
+    recompute_layers: int | None = None
+    """How many of the chunk's transformer layers (every module of ``modules`` but the embedding and the modules
+    after the last layer), counted from its first, run with ``recompute``; the rest keep their activations. None
+    (a plan file without the field): all of them. With ``recompute="none"`` no layer is recomputed."""
     gpu: str = ""
     """Accelerator of the node group the chunk is placed on: the one its time was predicted on (on a
     heterogeneous cluster each pipeline rank's ranks lie in one node group, and the cuts balance the groups)."""
@@ -313,6 +318,8 @@ def _check_consistency(plan: Plan) -> None:
     for st in plan.stages:
         if st.recompute not in RECOMPUTE:
             errors.append(f"stage {st.index}: recompute={st.recompute!r}; allowed {RECOMPUTE}")
+        if st.recompute_layers is not None and st.recompute_layers < 0:
+            errors.append(f"stage {st.index}: recompute_layers={st.recompute_layers} must be >= 0 (or null: all)")
         if st.gpu and gpus and st.gpu not in gpus:
             errors.append(f"stage {st.index}: gpu={st.gpu!r} is not in the cluster's accelerators {gpus}")
         if st.gpu and rank_gpu.setdefault(st.pp_rank, st.gpu) != st.gpu:
@@ -387,6 +394,8 @@ def _schema_of(tp: Any) -> dict[str, Any]:
         return {"type": "object", "additionalProperties": _schema_of(typing.get_args(tp)[1])}
     if origin is Literal:
         return {"enum": list(typing.get_args(tp))}
+    if origin in (typing.Union, types.UnionType):
+        return {"anyOf": [{"type": "null"} if a is type(None) else _schema_of(a) for a in typing.get_args(tp)]}
     if tp is bool:
         return {"type": "boolean"}
     if tp is int:

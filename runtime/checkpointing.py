@@ -10,6 +10,10 @@ Modes (``planner.plan.RECOMPUTE``):
   in backward (Korthikanti et al. 2022, "selective activation recomputation": the ``5as/h`` term of the
   activation memory goes away, the linear layers are not recomputed).
 
+Per pipeline chunk (or the whole model at pp = 1) the plan's ``StagePlan`` says the mode and how many of the
+chunk's transformer layers, from its first, run with it (``recompute_layers``; Megatron-LM's
+``--recompute-num-layers``): ``apply_stage_recompute``.
+
 The layer's ``forward`` is replaced on the instance (not wrapped in another module), so ``named_parameters``,
 ``state_dict`` keys, TP / FSDP plans keyed by FQN and the pipeline cut all see the same names as before.
 """
@@ -24,11 +28,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from costmodel.errors import ConfigError
+from costmodel.errors import ConfigError, PlanMismatchError
+from planner.plan import RECOMPUTE, StagePlan
 
 logger = logging.getLogger(__name__)
 
-MODES = ("none", "selective", "full")
 _ORIG_FORWARD = "_autopar_orig_forward"
 _MODE_ATTR = "_autopar_recompute"
 
@@ -69,8 +73,8 @@ def _checkpointed(forward: Callable[..., Any], mode: str) -> Callable[..., Any]:
 
 def set_recompute(module: nn.Module, mode: str) -> nn.Module:
     """Make ``module`` (one transformer layer) recompute per ``mode``; idempotent, ``none`` undoes it."""
-    if mode not in MODES:
-        raise ConfigError(f"recompute={mode!r} is unknown; choose one of {MODES}")
+    if mode not in RECOMPUTE:
+        raise ConfigError(f"recompute={mode!r} is unknown; choose one of {RECOMPUTE}")
     if mode == "selective" and any(isinstance(getattr(m, "experts", None), nn.Module) for m in module.modules()):
         raise ConfigError(
             f"recompute='selective' cannot run on the MoE layer {type(module).__name__}: its router changes a "
@@ -120,17 +124,21 @@ def transformer_layers(model: nn.Module) -> list[str]:
     return fqns
 
 
-def apply_stage_recompute(model: nn.Module, *, layer_fqns: Sequence[str], stage: Any) -> list[str]:
-    """Set ``stage.recompute`` (a ``planner.plan.StagePlan``) on the stage's transformer layers ``layer_fqns``
-    (in execution order); the FQNs now recomputed."""
-    mode = stage.recompute
-    if mode == "none":
-        return []
-    if not layer_fqns:
+def apply_stage_recompute(model: nn.Module, *, layer_fqns: Sequence[str], stage: StagePlan) -> list[str]:
+    """Recompute the first ``stage.recompute_layers`` (None: all) of the stage's transformer layers ``layer_fqns``
+    (in execution order) with ``stage.recompute``; the others keep their activations. The FQNs recomputed."""
+    mode, count = stage.recompute, stage.recompute_layers
+    n = len(layer_fqns)
+    if count is not None and not 0 <= count <= n:
+        raise PlanMismatchError(
+            f"stage {stage.index}: recompute_layers={count} but the stage runs {n} transformer layers; "
+            f"use 0..{n} (or null: all) or re-plan for this model"
+        )
+    chosen = list(layer_fqns[: n if count is None else count]) if mode != "none" else []
+    if mode != "none" and count is None and not layer_fqns:
         raise ConfigError(
             f"recompute={mode} (stage {stage.index}): {type(model).__name__} has no nn.ModuleList of layers to "
             "recompute; re-plan with --fix recompute=none"
         )
-    chosen = list(layer_fqns)
     apply_activation_checkpointing(model, layer_fqns=chosen, mode=mode)
     return chosen

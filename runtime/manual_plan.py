@@ -57,7 +57,8 @@ def _layer_list(model: nn.Module) -> tuple[str, list[str]]:
     raise ConfigError(f"{type(model).__name__} has no ModuleList of layers to cut into pipeline stages")
 
 
-def _stages(model: nn.Module, *, pp: int, ranks_of: list[tuple[int, ...]], recompute: str) -> tuple[StagePlan, ...]:
+def _stages(model: nn.Module, *, pp: int, ranks_of: list[tuple[int, ...]], recompute: str,
+            recompute_layers: int | None) -> tuple[StagePlan, ...]:
     owner, layers = _layer_list(model)
     if len(layers) < pp:
         raise ConfigError(f"{len(layers)} layers cannot fill pp={pp} stages; choose pp <= {len(layers)}")
@@ -66,7 +67,7 @@ def _stages(model: nn.Module, *, pp: int, ranks_of: list[tuple[int, ...]], recom
     for i in range(pp):
         hi = lo + per + (1 if i < extra else 0)
         stages.append(StagePlan(index=i, pp_rank=i, modules=tuple(layers[lo:hi]), ranks=ranks_of[i],
-                                recompute=recompute))
+                                recompute=recompute, recompute_layers=recompute_layers))
         lo = hi
     return tuple(stages)
 
@@ -81,6 +82,7 @@ def manual_plan(
     zero_stage: int = 0,
     sequence_parallel: bool = False,
     recompute: str = "none",
+    recompute_layers: int | None = None,
     microbatch_size: int = 1,
     num_microbatches: int = 1,
     schedule: str = "1f1b",
@@ -91,7 +93,8 @@ def manual_plan(
     """A Plan with the given degrees for ``model`` (module names from ``megatron_shardings`` when tp > 1).
 
     ``cp`` > 1: context parallel (``runtime.context_parallel``); ``seq_len`` (if given) must be divisible by 2 cp.
-    ``recompute``: every stage's activation recomputation (none / selective / full)."""
+    ``recompute``: every stage's activation recomputation (none / selective / full), on the first
+    ``recompute_layers`` layers of each stage (None: all)."""
     degrees = ParallelDegrees(tp=tp, cp=cp, dp=dp, pp=pp)
     world = degrees.world_size
     if shardings is None:
@@ -109,7 +112,7 @@ def manual_plan(
         cluster=ClusterInfo(name="local", num_devices=world, nodes=1, gpus_per_node=world, gpu="cpu"),
         degrees=degrees,
         mesh=MeshSpec.from_degrees(degrees),
-        stages=_stages(model, pp=pp, ranks_of=ranks_of, recompute=recompute),
+        stages=_stages(model, pp=pp, ranks_of=ranks_of, recompute=recompute, recompute_layers=recompute_layers),
         shardings=shardings,
         zero_stage=zero_stage,
         sequence_parallel=sequence_parallel,

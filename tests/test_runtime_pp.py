@@ -77,15 +77,16 @@ def unit_fqns(model: torch.nn.Module) -> list[list[str]]:
 
 
 def make_plan(model, *, cuts: list[tuple[int, int]], pp: int, schedule: str, n_mb: int, mb: int = 2,
-              dp: int = 1, tp: int = 1, recompute: tuple[str, ...] | None = None,
+              dp: int = 1, tp: int = 1, recompute: tuple | None = None,
               shardings: tuple[ModuleSharding, ...] = ()) -> Plan:
-    """A hand-written plan: chunk i holds units [lo, hi) of ``unit_fqns(model)``."""
+    """A hand-written plan: chunk i holds units [lo, hi) of ``unit_fqns(model)``; ``recompute[i]`` is chunk i's
+    mode, or (mode, how many of its layers from the first: ``StagePlan.recompute_layers``)."""
     units = unit_fqns(model)
     d = ParallelDegrees(pp=pp, dp=dp, tp=tp)
-    rec = recompute or ("none",) * len(cuts)
+    rec = [r if isinstance(r, tuple) else (r, None) for r in recompute or ("none",) * len(cuts)]
     stages = tuple(
         StagePlan(index=i, pp_rank=i % pp, modules=tuple(f for u in units[lo:hi] for f in u), ranks=(),
-                  recompute=rec[i])
+                  recompute=rec[i][0], recompute_layers=rec[i][1])
         for i, (lo, hi) in enumerate(cuts)
     )
     return Plan(
@@ -290,6 +291,8 @@ CASES_2 = {
     "llama-interleaved-2x2": ("llama", False, "interleaved-1f1b", [(0, 2), (2, 3), (3, 4), (4, 7)], 4, 1,
                               ("selective", "none", "full", "none"), 2, 1, 1),
     "mixtral-zero-bubble": ("mixtral", False, "zero-bubble", [(0, 3), (3, 7)], 4, 1, None, 2, 1, 1),
+    "llama-1f1b-recompute-first-layer": ("llama", False, "1f1b", [(0, 3), (3, 7)], 2, 2,
+                                         (("full", 1), ("selective", 1)), 2, 1, 1),
     "llama-zero-bubble-2x2": ("llama", False, "zero-bubble", [(0, 2), (2, 3), (3, 4), (4, 7)], 4, 1, None,
                               2, 1, 1),
 }
@@ -351,24 +354,42 @@ def _run_plan(family: str, tied: bool, plan: Plan) -> dict:
     """3 SGD steps of ``plan`` through runtime.apply_plan on this rank: losses, local gradients, parameters,
     actions."""
     from runtime import apply_plan
+    from runtime.checkpointing import recompute_mode
 
     pm = apply_plan(tiny_model(family, tied=tied), plan, loss_fn=lm_loss)
     runner = pm.pipeline
     actions = _record_actions(runner)
+    layers = {f: c.get_submodule(f) for c in runner.modules for f in c.layer_fqns}
+    calls = _count_attention_calls(layers, family)
     opt = torch.optim.SGD(pm.parameters(), lr=LR)
     local_b = plan.schedule.microbatch_size * plan.schedule.num_microbatches
     d = pm.mesh.get_local_rank("dp")
     out = {"losses": [], "grads": [], "pp_rank": runner.pp_rank, "tp_rank": pm.mesh.get_local_rank("tp")}
-    for ids, tgt in batches(plan.global_batch):
+    for step, (ids, tgt) in enumerate(batches(plan.global_batch)):
         actions.clear()
+        calls.update(dict.fromkeys(calls, 0))
         opt.zero_grad()
         loss = pm.step(ids[d * local_b:(d + 1) * local_b], tgt[d * local_b:(d + 1) * local_b])
         out["losses"].append(loss.item())
         out["grads"].append({n: _full(p.grad).clone() for n, p in pm.named_parameters() if p.grad is not None})
+        if step == 1:  # not the first: the stages' shape inference runs one more forward there
+            out["attention_calls"] = dict(calls)
         opt.step()
     out["params"] = {n: _full(p.detach()).clone() for n, p in pm.named_parameters()}
     out["actions"] = list(actions)
+    out["recompute"] = {f: recompute_mode(m) for f, m in layers.items()}
     return out
+
+
+def _count_attention_calls(layers: dict, family: str) -> dict:
+    """Forward calls of each layer's attention module (twice per micro-batch where the layer is recomputed)."""
+    calls = {f: 0 for f in layers}
+    child = "attn" if family == "gpt2" else "self_attn"
+    for f, layer in layers.items():
+        def hook(*_args, _f=f):
+            calls[_f] += 1
+        layer.get_submodule(child).register_forward_hook(hook)
+    return calls
 
 
 def _apply_plan_meta_zero3(dp: int) -> list[float]:
@@ -424,11 +445,28 @@ def _check_case(name: str, case, per_rank: list[dict]) -> None:
     _check_plan(name, case[0], case[1], _case_plan(case), per_rank)
 
 
+def _recompute_wanted(plan: Plan, family: str) -> dict[str, str]:
+    """Layer FQN -> the mode the plan asks for: a stage's first ``recompute_layers`` (None: all) layers."""
+    layers = unit_fqns(tiny_model(family))[1:-1]
+    out = {}
+    for st in plan.stages:
+        mine = [u[0] for u in layers if u[0] in st.modules]
+        k = len(mine) if st.recompute_layers is None else st.recompute_layers
+        out.update({f: st.recompute if i < k else "none" for i, f in enumerate(mine)})
+    return out
+
+
 def _check_plan(name: str, family: str, tied: bool, plan: Plan, per_rank: list[dict]) -> None:
     from costmodel.pipeline import Action, inflight_microbatches, rank_orders
 
     schedule, n_mb, pp = plan.schedule.name, plan.schedule.num_microbatches, plan.degrees.pp
     ref = reference_run(family, tied=tied, batch=plan.global_batch)
+    want = _recompute_wanted(plan, family)
+    for r, res in enumerate(per_rank):  # each stage's first recompute_layers layers, and only those, recompute
+        assert res["recompute"] == {f: want[f] for f in res["recompute"]}, f"{name} rank {r}: {res['recompute']}"
+        calls = {f: n_mb * (2 if want[f] != "none" else 1) for f in res["recompute"]}
+        assert res["attention_calls"] == calls, f"{name} rank {r}: attention forward calls {res['attention_calls']}"
+    assert set(want) == {f for res in per_rank for f in res["recompute"]}
     for r, res in enumerate(per_rank):
         torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(ref["losses"]), rtol=RTOL, atol=ATOL,
                                    msg=lambda m: f"{name} rank {r} losses: {m}")
@@ -578,6 +616,51 @@ def test_plan_recompute_without_a_pipeline_sets_every_layer(mode):
     assert transformer_layers(model) == list(layers)
     apply_stage_recompute(model, layer_fqns=layers, stage=manual_plan(model, recompute=mode).stages[0])
     assert [recompute_mode(model.get_submodule(fqn)) for fqn in layers] == [mode] * len(layers)
+
+
+def test_recompute_layers_checkpoints_the_first_k_layers_of_the_stage():
+    """pp = 1, 4 layers, recompute_layers=2: layers 0-1 run under checkpoint (their attention runs again in backward),
+    layers 2-3 keep their activations; loss and gradients equal the model without recomputation."""
+    from runtime.checkpointing import apply_stage_recompute, recompute_mode, transformer_layers
+    from runtime.manual_plan import manual_plan
+
+    ids, tgt = batches(2)[0]
+    got = {}
+    for k in (None, 0, 2):
+        model = tiny_model("llama")
+        stage = manual_plan(model, recompute="full", recompute_layers=k).stages[0]
+        layers = transformer_layers(model)
+        done = apply_stage_recompute(model, layer_fqns=layers, stage=stage)
+        calls = _count_attention_calls({f: model.get_submodule(f) for f in layers}, "llama")
+        loss = lm_loss(model(ids).logits, tgt)
+        loss.backward()
+        got[k] = (done, [recompute_mode(model.get_submodule(f)) for f in layers], [calls[f] for f in layers],
+                  loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    assert got[None][:3] == (layers, ["full"] * 4, [2, 2, 2, 2])
+    assert got[0][:3] == ([], ["none"] * 4, [1, 1, 1, 1])
+    assert got[2][:3] == (layers[:2], ["full", "full", "none", "none"], [2, 2, 1, 1])
+    for k in (None, 2):
+        torch.testing.assert_close(got[k][3], got[0][3], rtol=0, atol=0)
+        torch.testing.assert_close(got[k][4], got[0][4], rtol=RTOL, atol=ATOL)
+    with pytest.raises(PlanMismatchError, match="recompute_layers=5 but the stage runs 4 transformer layers"):
+        apply_stage_recompute(model, layer_fqns=layers, stage=manual_plan(model, recompute="full",
+                                                                          recompute_layers=5).stages[0])
+
+
+def test_plan_file_without_recompute_layers_recomputes_every_layer_of_the_stage():
+    from runtime.manual_plan import manual_plan
+
+    model = tiny_model("llama")
+    plan = manual_plan(model, pp=2, recompute="selective", recompute_layers=1, num_microbatches=2)
+    data = plan.to_dict()
+    assert [st["recompute_layers"] for st in data["stages"]] == [1, 1]
+    assert Plan.from_dict(data) == plan
+    for st in data["stages"]:
+        del st["recompute_layers"]  # a plan file written before the field existed
+    assert [st.recompute_layers for st in Plan.from_dict(data).stages] == [None, None]
+    data["stages"][0]["recompute_layers"] = -1
+    with pytest.raises(PlanMismatchError, match="recompute_layers=-1 must be >= 0"):
+        Plan.from_dict(data)
 
 
 def test_selective_recompute_is_refused_on_moe_layers():
