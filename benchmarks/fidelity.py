@@ -62,7 +62,7 @@ from pathlib import Path
 
 from costmodel.analytic import gpt_workload, sc21_model_flops
 from costmodel.profiles import make_cluster
-from costmodel.layer_time import DEFAULT_STEP_CONSTANTS
+from costmodel.step_config import DEFAULT_STEP_CONSTANTS
 from costmodel.step import ParallelConfig, estimate_step
 from costmodel.workload import Workload
 

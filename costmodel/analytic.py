@@ -1,7 +1,8 @@
 """An analytic ``Workload`` for GPT / Llama / Mixtral-shaped transformers, from their dimensions alone.
 
-Used by tests, by ``benchmarks/fidelity.py`` when no traced workload is at hand, and as a cross-check of the
-tracer. Counts per sequence of ``seq`` tokens (micro-batch 1), unsharded, dense attention (SC21 Eq. 2-3):
+A test oracle: priced by the closed-form ``costmodel.closed_form.ClosedFormCoster``, used by tests and as a
+cross-check of the tracer and of the graph coster. Counts per sequence of ``seq`` tokens (micro-batch 1),
+unsharded, dense attention (SC21 Eq. 2-3):
 
 - transformer layer parameters: q/k/v/o ``h (h + 2 h_kv) + h^2`` (``h_kv = h * kv_heads / heads``), MLP
   ``2 h f`` (GeLU) or ``3 h f`` (SwiGLU), times ``experts`` for MoE plus the router ``h * experts``; biases
@@ -15,6 +16,7 @@ tracer. Counts per sequence of ``seq`` tokens (micro-batch 1), unsharded, dense 
 
 from __future__ import annotations
 
+from costmodel.closed_form import ClosedFormCoster, TransformerDims
 from costmodel.errors import ConfigError
 from costmodel.workload import LayerWork, Workload
 
@@ -76,11 +78,24 @@ def transformer_workload(
     head_fwd = 2.0 * s * h * vocab
     head = LayerWork(name="head", kind="head", params=head_params, flops_fwd=head_fwd, flops_bwd=2.0 * head_fwd,
                      bytes_fwd=2.0 * (vocab * h + s * vocab))
+    coster = ClosedFormCoster(TransformerDims(hidden=h, heads=heads, kv_heads=kv, ffn_hidden=f, vocab=vocab, seq=s,
+                                              experts=experts, topk=topk, glu=glu))
     return Workload(
         name=name, layers=(emb, *tr, head), hidden=h, heads=heads, kv_heads=kv, ffn_hidden=f, vocab=vocab, seq=s,
-        num_layers=layers, experts=experts, topk=topk, glu=glu, tied_embeddings=tied_embeddings,
+        num_layers=layers, experts=experts, topk=topk, glu=glu, tied_embeddings=tied_embeddings, coster=coster,
         meta={"source": "costmodel.analytic"},
     )
+
+
+def closed_form_priced(workload: Workload) -> Workload:
+    """``workload`` priced by the closed-form oracle from its own dimensions (for hand-built test workloads)."""
+    import dataclasses
+
+    w = workload
+    dims = TransformerDims(hidden=w.hidden, heads=w.heads, kv_heads=w.kv_heads, ffn_hidden=w.ffn_hidden,
+                           vocab=w.vocab, seq=w.seq, experts=w.experts, topk=w.topk, glu=w.glu,
+                           dtype_bytes=w.dtype_bytes)
+    return dataclasses.replace(w, coster=ClosedFormCoster(dims))
 
 
 def gpt_workload(*, layers: int, hidden: int, heads: int, vocab: int = 51200, seq: int = 2048,

@@ -51,11 +51,12 @@ from costmodel.comm import CommEfficiency, DEFAULT_EFFICIENCY, Group, collective
 from costmodel.compute import op_time_s
 from costmodel.errors import ConfigError
 from costmodel.hardware import Cluster
-from costmodel.layer_time import DEFAULT_STEP_CONSTANTS, LayerCtx, StepConstants, layer_time
-from costmodel.step_config import ParallelConfig, check_recompute_layers, check_stage_layers, validate_config
+from costmodel.block_cost import LayerCtx
+from costmodel.step_config import (DEFAULT_STEP_CONSTANTS, ParallelConfig, StepConstants, check_recompute_layers,
+                                   check_stage_layers, validate_config)
 from costmodel.workload import Workload
 
-__all__ = ["ParallelConfig", "StepEstimate", "StepConstants", "estimate_step", "even_stage_layers"]
+__all__ = ["ParallelConfig", "StepEstimate", "StepConstants", "estimate_step", "even_stage_layers", "layer_contexts"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -118,8 +119,8 @@ def _class_of(classes: tuple[int, ...], r: int) -> int:
 
 
 def _layer_key(layer) -> tuple:
-    return (layer.kind, layer.params, layer.flops_fwd, layer.flops_bwd, layer.attn_flops_fwd, layer.bytes_fwd,
-            layer.expert_params)
+    return (layer.kind, layer.signature, layer.params, layer.flops_fwd, layer.flops_bwd, layer.attn_flops_fwd,
+            layer.bytes_fwd, layer.expert_params)
 
 
 
@@ -140,9 +141,9 @@ class _CtxKey:
 
     def ctx(self) -> LayerCtx:
         cluster = self.cluster.obj
-        return LayerCtx(workload=self.workload.obj, device=slowest_device(cluster), cluster=cluster,
-                        microbatch=self.microbatch, tp=self.tp, cp=self.cp, ep=self.ep, sp=self.sp,
-                        recompute=self.recompute, flash=self.flash, constants=self.constants)
+        return LayerCtx(device=slowest_device(cluster), cluster=cluster, microbatch=self.microbatch, tp=self.tp,
+                        cp=self.cp, ep=self.ep, sp=self.sp, recompute=self.recompute, flash=self.flash,
+                        constants=self.constants)
 
 
 @functools.lru_cache(maxsize=256)
@@ -228,21 +229,38 @@ def even_stage_layers(workload: Workload, chunks: int) -> tuple[int, ...]:
     return _even_cached(ByIdentity(workload.layers), int(chunks))
 
 
+_MAX_COLUMNS = ("work", "head_work", "maxparams")
+"""Columns a chunk takes the largest of (transient bytes, the largest block's parameters), not the sum."""
+
+
 @functools.lru_cache(maxsize=4096)
 def _layer_columns(uniques: ByIdentity, ctx_key: _CtxKey) -> tuple[tuple[str, ...], np.ndarray]:
-    """Column names and the (columns, distinct layers) seconds table of one layer context (pure: memoized)."""
+    """Column names and the (columns, distinct layers) table of one layer context, from the workload's coster
+    (pure: memoized): seconds (fwd, bwd, wgrad, rec, cf:/cb: comm per link kind), bytes (act: kept for the
+    backward; work / head_work: transient) and parameters per device (params, xparams: experts)."""
+    workload = ctx_key.workload.obj
+    if workload.coster is None:
+        raise ConfigError(f"workload {workload.name!r} has no block coster: build it with planner.workload "
+                          "(traced) or costmodel.analytic (closed-form oracle)")
     ctx = ctx_key.ctx()
-    rows = [layer_time(ctx, layer) for layer in uniques.obj]
+    rows = [workload.coster(layer, ctx) for layer in uniques.obj]
     kinds = sorted({k for r in rows for d in (r.comm_fwd, r.comm_bwd, r.comm_recompute) for k in d})
+    is_head = [layer.kind == "head" for layer in uniques.obj]
     cols = {
         "fwd": [r.fwd_s for r in rows], "bwd": [r.bwd_s for r in rows],
         "wgrad": [r.wgrad_s for r in rows], "rec": [r.recompute_s for r in rows],
+        "act": [r.activation_bytes for r in rows],
+        "work": [0.0 if h else r.working_bytes for r, h in zip(rows, is_head)],
+        "head_work": [r.working_bytes if h else 0.0 for r, h in zip(rows, is_head)],
+        "params": [r.params for r in rows], "xparams": [r.expert_params for r in rows],
+        "maxparams": [0.0 if layer.kind in ("embedding", "head") else r.params
+                      for r, layer in zip(rows, uniques.obj)],
     }
     for k in kinds:
         cols[f"cf:{k}"] = [r.comm_fwd.get(k, 0.0) for r in rows]
         cols[f"cb:{k}"] = [r.comm_bwd.get(k, 0.0) + r.comm_recompute.get(k, 0.0) for r in rows]
     names = tuple(cols)
-    table = np.array([cols[n] for n in names])
+    table = np.array([cols[n] for n in names], dtype=float)
     table.setflags(write=False)
     return names, table
 
@@ -259,7 +277,11 @@ def _chunk_cached(ctx_key: _CtxKey, stage_layers: tuple[int, ...], mask: tuple[b
         names, cols = _layer_columns(ByIdentity(uniques), key)
         table = counts @ cols.T  # (chunks, columns)
         for i, n in enumerate(names):
-            out[n] = out[n] + table[:, i] if n in out else table[:, i]
+            if n in _MAX_COLUMNS:  # the largest of the distinct layers the chunk holds
+                col = np.where(counts > 0, cols[i][None, :], 0.0).max(axis=1)
+                out[n] = np.maximum(out[n], col) if n in out else col
+            else:
+                out[n] = out[n] + table[:, i] if n in out else table[:, i]
     for a in out.values():
         a.setflags(write=False)
     return out
@@ -282,23 +304,12 @@ def _p2p_s(workload: Workload, cluster: Cluster, *, pp: int, mb: int, tp: int, c
     return cc.link_kind, cc.time_s
 
 
-@functools.lru_cache(maxsize=4096)
-def _rank_params_cached(layers: ByIdentity, stage_layers: tuple[int, ...], tp: int, ep: int,
-                        pp: int) -> tuple[np.ndarray, np.ndarray]:
-    uniques, counts = _structure_cached(layers, stage_layers)
-    dense = counts @ np.array([(l.params - l.expert_params) / tp for l in uniques])
-    expert = counts @ np.array([l.expert_params / ep for l in uniques])  # whole experts, copied over tp (runtime)
-    v = counts.shape[0] // pp
-    out = dense.reshape(v, pp).sum(axis=0), expert.reshape(v, pp).sum(axis=0)
-    for a in out:
-        a.setflags(write=False)
+def _per_rank(a: np.ndarray, v: int, pp: int, how: str = "sum") -> np.ndarray:
+    """A per-chunk array folded onto the pipeline ranks (chunk ``c`` runs on rank ``c % pp``)."""
+    grid = np.asarray(a).reshape(v, pp)
+    out = grid.max(axis=0) if how == "max" else grid.sum(axis=0)
+    out.setflags(write=False)
     return out
-
-
-def _rank_params(workload: Workload, stage_layers: tuple[int, ...], cfg: ParallelConfig) -> tuple[np.ndarray, np.ndarray]:
-    """(dense, expert) parameters each pipeline rank holds (dense sharded over tp; experts over ep and copied on
-    each tp rank, as runtime.expert_parallel runs them); read-only."""
-    return _rank_params_cached(ByIdentity(workload.layers), tuple(stage_layers), cfg.tp, cfg.ep, cfg.pp)
 
 
 def _flat_nic_time_s(op: str, nbytes: float, n: int, cluster: Cluster, eff: CommEfficiency) -> tuple[str, float]:
@@ -420,7 +431,8 @@ def _pipeline(parts: tuple[_CtxKey, ...], classes: tuple[int, ...], cluster: ByI
     bwd_rank = (tb + tw).reshape(v, pp).sum(axis=0)
     per_rank.setflags(write=False)
     bwd_rank.setflags(write=False)
-    return {"total_s": total, "per_rank_s": per_rank, "parts": parts, "p2p_kind": p2p_kind, "bwd_rank_s": bwd_rank}
+    return {"total_s": total, "per_rank_s": per_rank, "parts": parts, "p2p_kind": p2p_kind, "bwd_rank_s": bwd_rank,
+            "chunks": ch}
 
 
 def _can_overlap(cluster: Cluster) -> bool:
@@ -472,12 +484,13 @@ def _data_parallel(workload: Workload, cfg: ParallelConfig, parts: tuple[Cluster
 
 
 @functools.lru_cache(maxsize=4096)
-def _transformer_layers(uniques: ByIdentity, counts: ByIdentity, v: int, pp: int) -> tuple[np.ndarray, int]:
-    """Transformer layers per pipeline rank (read-only) and the largest transformer layer's parameters."""
-    is_tr = np.array([1.0 if l.kind == "transformer" else 0.0 for l in uniques.obj])
-    tr_per_rank = (counts.obj @ is_tr).reshape(v, pp).sum(axis=0)
-    tr_per_rank.setflags(write=False)
-    return tr_per_rank, max((l.params for l in uniques.obj if l.kind == "transformer"), default=0)
+def _blocks_per_rank(uniques: ByIdentity, counts: ByIdentity, v: int, pp: int) -> np.ndarray:
+    """Repeated blocks (every entry but the embedding and the head) per pipeline rank (read-only): the units
+    ZeRO-3 gathers and reduces one at a time."""
+    is_block = np.array([1.0 if l.recomputable else 0.0 for l in uniques.obj])
+    out = (counts.obj @ is_block).reshape(v, pp).sum(axis=0)
+    out.setflags(write=False)
+    return out
 
 
 @functools.lru_cache(maxsize=4096)
@@ -487,41 +500,25 @@ def _inflight(schedule: str, pp: int, m: int, v: int) -> np.ndarray:
     return out
 
 
-def _memory(workload: Workload, cfg: ParallelConfig, uniques: list, counts: np.ndarray, rec_counts: np.ndarray,
-            dense: np.ndarray, expert: np.ndarray, m: int, mc: mem.MemoryConstants
-            ) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """Memory terms per pipeline rank (arrays of bytes) and the totals with the allocator reserve.
-    ``rec_counts``: the recomputed part of ``counts`` (``_split``)."""
-    w, pp, v, b = workload, cfg.pp, cfg.virtual_stages, cfg.microbatch
-    sp = cfg.sequence_parallel and cfg.tp > 1
-    dims = dict(seq=w.seq, microbatch=b, hidden=w.hidden, heads=w.heads, tp=cfg.tp, sp=sp, cp=cfg.cp,
-                flash=cfg.flash_attention, ffn_hidden=w.ffn_hidden, kv_heads=w.kv_heads, glu=w.glu)
-    plain_layer = mem.activation_bytes_per_layer(recompute="none", **dims)
-    rec_layer = mem.activation_bytes_per_layer(recompute=cfg.recompute, **dims)
-    working = 0.0
-    if cfg.recompute == "full":
-        working = mem.full_layer_activation_bytes(**dims)
-    elif cfg.recompute == "selective" and not cfg.flash_attention:
-        working = 5.0 * w.heads * w.seq * w.seq * b / (cfg.tp * cfg.cp * cfg.cp)
-    tr_per_rank, max_tr_params = _transformer_layers(ByIdentity(uniques), ByIdentity(counts), v, pp)
-    rec_per_rank, _ = _transformer_layers(ByIdentity(uniques), ByIdentity(rec_counts), v, pp)
+def _memory(workload: Workload, cfg: ParallelConfig, ch: dict[str, np.ndarray], dense: np.ndarray,
+            expert: np.ndarray, m: int, mc: mem.MemoryConstants) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Memory terms per pipeline rank (arrays of bytes) and the totals with the allocator reserve, from the
+    chunk arrays ``ch`` (the coster's bytes per block, summed or maxed per chunk)."""
+    w, pp, v = workload, cfg.pp, cfg.virtual_stages
     inflight = _inflight(cfg.schedule, pp, m, v)
     terms = mem.model_state_bytes(params=dense, zero_stage=cfg.zero_stage, dp=cfg.dp * cfg.cp, constants=mc)
     if expert.any():
         ex = mem.model_state_bytes(params=expert, zero_stage=cfg.zero_stage,
                                    dp=max(1, cfg.dp // cfg.ep) * cfg.cp, constants=mc)
         terms = {key: terms[key] + ex[key] for key in terms}
-    tokens = b * w.seq / cfg.cp
-    per_rank = plain_layer * (tr_per_rank - rec_per_rank) + rec_layer * rec_per_rank
-    terms["activations"] = per_rank * inflight + np.where(rec_per_rank > 0, working, 0.0)
-    logits = np.zeros(pp)
-    logits[-1] = tokens * max(1, w.vocab // cfg.tp) * mc.logits_bytes
-    terms["logits"] = logits
+    tokens = cfg.microbatch * w.seq / cfg.cp
+    terms["activations"] = _per_rank(ch["act"], v, pp) * inflight + _per_rank(ch["work"], v, pp, "max")
+    terms["logits"] = _per_rank(ch["head_work"], v, pp, "max")
     buffers = mc.bucket_bytes + (2.0 * tokens * w.hidden * w.dtype_bytes if cfg.tp > 1 else 0.0)
+    buffers = np.full(pp, buffers)
     if cfg.zero_stage == 3:  # two layers' gathered parameters (prefetch)
-        max_layer = max_tr_params / cfg.tp
-        buffers += 2.0 * max_layer * mc.weight_bytes
-    terms["comm_buffers"] = np.full(pp, buffers)
+        buffers = buffers + 2.0 * _per_rank(ch["maxparams"], v, pp, "max") * mc.weight_bytes
+    terms["comm_buffers"] = buffers
     subtotal = sum(terms.values())
     terms["allocator_reserve"] = mem.allocator_reserve_bytes(subtotal, mc)
     return terms, subtotal + terms["allocator_reserve"]
@@ -549,6 +546,31 @@ def _flops_cached(layers: ByIdentity, stage_layers: tuple[int, ...], mask: tuple
     return model, model + global_batch * extra
 
 
+def _ctx_keys(workload: Workload, cfg: ParallelConfig, clusters: tuple[Cluster, ...],
+              k: StepConstants) -> tuple[_CtxKey, ...]:
+    return tuple(_CtxKey(workload=ByIdentity(workload), cluster=ByIdentity(part), microbatch=cfg.microbatch,
+                         tp=cfg.tp, cp=cfg.cp, ep=cfg.ep, sp=cfg.sequence_parallel and cfg.tp > 1,
+                         recompute=cfg.recompute, flash=cfg.flash_attention, constants=k) for part in clusters)
+
+
+def layer_contexts(workload: Workload, config: ParallelConfig, cluster: Cluster, *,
+                   stage_layers: tuple[int, ...] | None = None,
+                   constants: StepConstants = DEFAULT_STEP_CONSTANTS) -> tuple[LayerCtx, ...]:
+    """The layer context every workload entry is priced in under ``config`` (its pipeline rank's node group,
+    its recomputation): what the coster was asked, so the caller can read back the shardings it chose."""
+    chunks = config.pp * config.virtual_stages
+    stage_layers = even_stage_layers(workload, chunks) if stage_layers is None else tuple(stage_layers)
+    mask = recompute_mask(workload, stage_layers, config)
+    clusters, classes = rank_clusters(cluster, config.pp)
+    keys = _ctx_keys(workload, config, clusters, constants)
+    owner = np.repeat(np.arange(len(stage_layers)), stage_layers)
+    out = []
+    for e, on in enumerate(mask):
+        key = keys[_class_of(classes, int(owner[e]) % config.pp)]
+        out.append((key if on else dataclasses.replace(key, recompute="none")).ctx())
+    return tuple(out)
+
+
 def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_layers: tuple[int, ...] | None,
               k: StepConstants, mc: mem.MemoryConstants) -> StepEstimate:
     m, chunks = cfg.num_microbatches, cfg.pp * cfg.virtual_stages
@@ -561,14 +583,13 @@ def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_l
     check_recompute_layers(cfg, workload, stage_layers)
     mask = recompute_mask(workload, stage_layers, cfg)
     clusters, classes = rank_clusters(cluster, cfg.pp)
-    parts = tuple(_CtxKey(workload=ByIdentity(workload), cluster=ByIdentity(part), microbatch=cfg.microbatch,
-                          tp=cfg.tp, cp=cfg.cp, ep=cfg.ep, sp=cfg.sequence_parallel and cfg.tp > 1,
-                          recompute=cfg.recompute, flash=cfg.flash_attention, constants=k) for part in clusters)
+    parts = _ctx_keys(workload, cfg, clusters, k)
     uniques, counts = _structure(workload, stage_layers)
     pipe = _pipeline(parts, classes, ByIdentity(cluster), stage_layers, mask, schedule=cfg.schedule, pp=cfg.pp,
                      v=cfg.virtual_stages, m=m, dp=cfg.dp)
-    dense, expert = _rank_params(workload, stage_layers, cfg)
-    tr_per_rank, _ = _transformer_layers(ByIdentity(uniques), ByIdentity(counts), cfg.virtual_stages, cfg.pp)
+    dense = _per_rank(pipe["chunks"]["params"], cfg.virtual_stages, cfg.pp)
+    expert = _per_rank(pipe["chunks"]["xparams"], cfg.virtual_stages, cfg.pp)
+    tr_per_rank = _blocks_per_rank(ByIdentity(uniques), ByIdentity(counts), cfg.virtual_stages, cfg.pp)
     dp = _data_parallel(workload, cfg, clusters, classes, dense, expert, tr_per_rank, pipe, m, k)
     breakdown = dict(pipe["parts"])
     if dp["exposed_s"] > 0:
@@ -576,8 +597,7 @@ def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_l
         breakdown[key] = breakdown.get(key, 0.0) + dp["exposed_s"]
     breakdown["optimizer"] = dp["optimizer_s"]
     step_s = pipe["total_s"] + dp["exposed_s"] + dp["optimizer_s"]
-    rec_counts = _split(workload, stage_layers, mask)[1]
-    terms, totals = _memory(workload, cfg, uniques, counts, rec_counts, dense, expert, m, mc)
+    terms, totals = _memory(workload, cfg, pipe["chunks"], dense, expert, m, mc)
     worst = int(np.argmax(totals))
     worst_mem = mem.MemoryEstimate(terms={key: float(val[worst]) for key, val in terms.items()})
     part_gb = [min(g.node.gpu.memory_bytes for g in part.groups) / mem.GB for part in clusters]

@@ -15,6 +15,53 @@ RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class StepConstants:
+    """The step model's own constants (one set for every case; see ``benchmarks/fidelity.py`` for how they
+    were set). Memory-bound traffic in bytes per token and hidden (or ffn) element, forward pass, bf16:
+
+    - ``elementwise_replicated_bytes`` 22: two LayerNorms (read + write 4 each), two dropout + residual adds
+      (read 2 x 2 + mask, write 2: 7 each): replicated over tp unless sequence parallel.
+    - ``elementwise_ffn_bytes`` 4: bias + GeLU over the ``f / tp`` MLP activations (read 2, write 2).
+    - ``softmax_bytes`` 9 per attention score (unfused attention): scaled-masked softmax read + write 4,
+      dropout read + write 4, mask 1.
+    - ``optimizer_bytes_per_param`` 32: Adam reads and writes fp32 master, momentum, variance (24), reads the
+      gradient and writes the bf16 weight.
+    - ``overlap_slowdown`` 0.5: an overlapped collective still slows the compute it hides behind (NCCL
+      kernels take SMs and HBM bandwidth, and prefetching leaves the first and last gathers exposed; the step
+      is ``max(comm, compute) + k min(comm, compute)``).
+    - ``zero3_flat_nic`` True: ZeRO-3's per-parameter all-gathers / reduce-scatters across nodes run as a flat
+      ring at each GPU's own NIC rate (no rail-parallel hierarchy), as DeepSpeed / FSDP issue them.
+    - ``zero3_passes_recompute`` False: with full recomputation a layer's recomputed forward runs right before
+      its backward, so one parameter all-gather serves both (three passes a micro-batch: gather in forward,
+      gather before recompute + backward, reduce-scatter of the gradients).
+    - ``zero3_collectives_per_layer`` 1: ZeRO-3 gathers and reduces parameters once per layer per pass, as
+      autopar's runtime runs it (FSDP2 ``fully_shard`` on each block), each paying the ring latency
+      ``(n - 1) alpha``. DeepSpeed ZeRO-3 fetches module by module (two LayerNorms, QKV, attention projection,
+      two MLP linears): 6, what ``benchmarks/fidelity.py`` uses for the SC21 DeepSpeed rows.
+    - ``tp_fused_input_projections`` False: the backward all-reduces the input gradient of each
+      column-parallel projection separately (q, k, v, and the MLP's up or gate + up: DTensor's
+      ``ColwiseParallel`` on separate modules, as autopar's runtime applies it); True: once for attention and
+      once for the MLP (Megatron-LM's fused QKV, what ``benchmarks/fidelity.py`` uses).
+    """
+
+    elementwise_replicated_bytes: float = 22.0
+    elementwise_ffn_bytes: float = 4.0
+    softmax_bytes: float = 9.0
+    optimizer_bytes_per_param: float = 32.0
+    overlap_slowdown: float = 0.5
+    zero3_flat_nic: bool = True
+    zero3_passes_recompute: bool = False
+    zero3_collectives_per_layer: int = 1
+    tp_fused_input_projections: bool = False
+    sustained_compute: float = 0.85
+    last_bucket_bytes: float = 25e6
+    """Gradient bucket reduced after the backward ends (PyTorch DDP's default bucket): never overlapped."""
+
+
+DEFAULT_STEP_CONSTANTS = StepConstants()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ParallelConfig:
     """Degrees and knobs of one configuration; ``tp * cp * pp * dp`` = devices, ``ep`` divides ``dp``."""
 

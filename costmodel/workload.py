@@ -1,15 +1,19 @@
-"""What the cost model needs to know about a model: plain numbers, no FX nodes.
+"""What the cost model needs to know about a model: plain numbers, no FX nodes, and how to price its blocks.
 
-The planner builds a ``Workload`` from a traced ``OpGraph`` (FLOPs and parameters per layer as traced) and
-the model's dimensions; the cost model never sees torch objects. All per-layer numbers are for ONE sequence
-of ``seq`` tokens (micro-batch 1), unsharded; the cost model scales them by micro-batch and divides by
-parallel degrees.
+The planner builds a ``Workload`` from a traced ``OpGraph`` (FLOPs and parameters per layer as traced, the
+model's dimensions) with the graph coster that prices each distinct block from its traced ops; the cost model
+never sees torch objects. Per-layer numbers are for ONE sequence of ``seq`` tokens (micro-batch 1), unsharded:
+model FLOPs for throughput figures, parameters for memory bounds. Time and memory under a configuration come
+from ``coster`` (``costmodel.block_cost``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:  # the coster protocol imports this module
+    from costmodel.block_cost import BlockCoster
 
 LayerKind = Literal["embedding", "transformer", "head", "other"]
 
@@ -21,6 +25,8 @@ class LayerWork:
     name: str
     """Module FQN of the block (``model.layers.3``) or a group name (``embedding``, ``head``)."""
     kind: LayerKind
+    signature: str = ""
+    """Identity of the block's structure: blocks with equal signatures (and numbers) are priced once."""
     params: int
     """Parameters the block owns (tied weights counted once, on the first block that uses them)."""
     flops_fwd: float
@@ -60,6 +66,9 @@ class Workload:
     """Gated MLP (SwiGLU: three ffn matrices) rather than GeLU (two)."""
     dtype_bytes: int = 2
     tied_embeddings: bool = False
+    coster: "BlockCoster | None" = field(default=None, compare=False)
+    """Prices each distinct block in a layer context (``costmodel.block_cost``); the step model refuses a
+    workload without one."""
     meta: dict = field(default_factory=dict)
 
     @property

@@ -180,6 +180,9 @@ class SolverStats:
     bound: float = 0.0
     gap: float = 0.0
     candidates_explored: int = 0
+    intra_op: dict[str, float] = field(default_factory=dict)
+    """The per-block sharding ILPs behind the plan's shardings: ``blocks`` (workload entries),
+    ``distinct_solutions``, how many ended ``optimal`` / ``feasible`` / ``greedy``, and ``max_gap``."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

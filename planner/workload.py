@@ -18,6 +18,7 @@ from costmodel.workload import LayerWork, Workload
 from planner.graph import Block, BlockGroup, OpGraph, find_block_groups, find_blocks
 from planner.models import ModelDims, build_model
 from planner.plan import model_fingerprint
+from planner.search.block_cost import GraphCoster
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ def workload_from_graph(graph: OpGraph, dims: ModelDims, *, name: str, batch: in
         raise ConfigError(f"batch={batch} must be a positive integer (the micro-batch the graph was traced with)")
     blocks = blocks if blocks is not None else find_blocks(graph)
     layers = tuple(
-        LayerWork(name=b.name, kind=b.kind, params=b.params, flops_fwd=b.flops_fwd / batch,
+        LayerWork(name=b.name, kind=b.kind, signature=b.signature, params=b.params, flops_fwd=b.flops_fwd / batch,
                   flops_bwd=b.flops_bwd / batch, attn_flops_fwd=b.attn_flops_fwd / batch,
                   expert_params=b.expert_params, bytes_fwd=b.bytes_fwd / batch)
         for b in blocks
@@ -64,11 +65,13 @@ def workload_from_graph(graph: OpGraph, dims: ModelDims, *, name: str, batch: in
         "traced_layers": graph.traced_layers,
         "unsupported_ops": dict(graph.unsupported),
     }
+    dtype_bytes = _DTYPE_BYTES.get(dtype, 4)
+    coster = GraphCoster(graph=graph, blocks=blocks, seq=dims.seq, dtype_bytes=dtype_bytes)
     return Workload(
         name=name, layers=layers, hidden=dims.hidden, heads=dims.heads, kv_heads=dims.kv_heads,
         ffn_hidden=dims.ffn_hidden, vocab=dims.vocab, seq=dims.seq, num_layers=n_layers or dims.layers,
-        experts=dims.experts, topk=dims.topk, glu=dims.glu, dtype_bytes=_DTYPE_BYTES.get(dtype, 4),
-        tied_embeddings=dims.tied_embeddings, meta=meta,
+        experts=dims.experts, topk=dims.topk, glu=dims.glu, dtype_bytes=dtype_bytes,
+        tied_embeddings=dims.tied_embeddings, coster=coster, meta=meta,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from costmodel.analytic import closed_form_priced
 from planner.plan import (
     ClusterInfo,
     MeshSpec,
@@ -125,10 +126,10 @@ def gpt_workload(*, layers: int = 8, hidden: int = 1024, heads: int = 16, vocab:
     from dataclasses import replace
 
     body = tuple(replace(per_layer, name=f"model.layers.{i}") for i in range(layers))
-    w = Workload(name=f"gpt-test-{layers}x{hidden}", layers=(embed, *body, head), hidden=h, heads=heads,
+    w = closed_form_priced(Workload(name=f"gpt-test-{layers}x{hidden}", layers=(embed, *body, head), hidden=h, heads=heads,
                  kv_heads=heads, ffn_hidden=4 * h, vocab=vocab, seq=s, num_layers=layers, tied_embeddings=True,
                  meta={"module_groups": {"embedding": ("model.embed_tokens", "model.embed_positions"),
-                                         "head": ("model.final_layer_norm", "lm_head")}})
+                                         "head": ("model.final_layer_norm", "lm_head")}}))
     info = ModelInfo(name=w.name, fingerprint="sha256:test", params=w.params,
                      flops_per_step=w.flops_fwd_per_seq + w.flops_bwd_per_seq, num_layers=layers, seq_len=s)
     return w, info

@@ -233,6 +233,7 @@ def test_ranks_beyond_the_cores_share_them():
 
 
 def test_dispatch_time_is_priced_per_layer_and_pass():
+    from costmodel.analytic import closed_form_priced
     from costmodel.compute import dispatch_time_s
     from costmodel.profiles import make_cluster
     from costmodel.step import ParallelConfig, estimate_step
@@ -249,8 +250,8 @@ def test_dispatch_time_is_priced_per_layer_and_pass():
         LayerWork(name=f"layers.{i}", kind="transformer", params=12 * h * h, flops_fwd=24.0 * s * h * h,
                   flops_bwd=48.0 * s * h * h) for i in range(3)) + (
         LayerWork(name="head", kind="head", params=v * h, flops_fwd=2.0 * s * h * v, flops_bwd=4.0 * s * h * v),)
-    wl = Workload(name="tiny", layers=layers, hidden=h, heads=2, kv_heads=2, ffn_hidden=4 * h, vocab=v, seq=s,
-                  num_layers=3)
+    wl = closed_form_priced(Workload(name="tiny", layers=layers, hidden=h, heads=2, kv_heads=2, ffn_hidden=4 * h,
+                                     vocab=v, seq=s, num_layers=3))
     cfg = ParallelConfig(tp=1, pp=1, dp=2, microbatch=1, global_batch=4)  # 2 micro-batches per rank
     times = [estimate_step(wl, cfg, make_cluster("local", 1, gpus_per_node=2, calibration=c)).breakdown_s["compute"]
              for c in (plain, with_dispatch)]

@@ -181,16 +181,22 @@ def _styles(bs) -> dict[str, str]:
 
 @pytest.mark.parametrize("spec", [GPT3_BLOCK, LLAMA_BLOCK], ids=["gpt", "llama"])
 @pytest.mark.parametrize("sp", [False, True], ids=["allreduce", "seqpar"])
-def test_megatron_layout_and_comm_volume(traced, cluster, spec: str, sp: bool) -> None:
-    from planner.search.block_plan import StrategyCache, block_strategy
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-qkv", "separate-qkv"])
+def test_megatron_layout_and_comm_volume(traced, cluster, spec: str, sp: bool, fused: bool) -> None:
+    """Megatron's layout at every tp. Collectives: with fused q/k/v (Megatron-LM) the backward mirrors the
+    forward; with separate q / k / v (gate / up) modules, as autopar's runtime shards them, each column-parallel
+    module all-reduces its own input gradient (3 + 1 for GeLU, 3 + 2 for SwiGLU), and under sequence parallelism
+    the gathered input's gradient then needs no reduce-scatter."""
+    from planner.search.block_plan import CostOptions, StrategyCache, block_strategy
 
     graph, layers, dims = traced[spec]
     b, s, h = 2, dims.seq, dims.hidden
     act_bytes = b * s * h * 2  # one bf16 activation of the residual stream
     cache = StrategyCache()
+    inputs = 2 if fused else 3 + (2 if dims.glu else 1)  # input-gradient all-reduces per layer in backward
     for tp in (1, 2, 4, 8):
         bs = block_strategy(layers[0], graph=graph, tp=tp, microbatch=b, seq=s, sequence_parallel=sp,
-                            cluster=cluster, cache=cache)
+                            cluster=cluster, cache=cache, cost=CostOptions(fused_input_projections=fused))
         styles = _styles(bs)
         assert bs.solver["status"] == "optimal"
         linears = {name: st for name, st in styles.items() if name in COLWISE | ROWWISE}
@@ -203,13 +209,20 @@ def test_megatron_layout_and_comm_volume(traced, cluster, spec: str, sp: bool) -
         assert all(st == ("colwise" if n in COLWISE else "rowwise") for n, st in linears.items()), styles
         assert set(norms.values()) == {"sequence_parallel" if sp else "replicate"}
         comm = bs.comm_bytes_by_kind
-        if not sp:  # Megatron: 2 all-reduces of b*s*h forward, 2 backward
-            assert comm == {"tp_all_reduce": pytest.approx(4 * act_bytes, rel=1e-12)}
+        if not sp:  # Megatron: 2 all-reduces of b*s*h forward, 2 backward (separate modules: more backward)
+            assert comm == {"tp_all_reduce": pytest.approx((2 + inputs) * act_bytes, rel=1e-12)}
         else:  # each all-reduce becomes an all-gather + reduce-scatter; norm weight grads all-reduced
-            assert comm["tp_all_gather"] == pytest.approx(4 * act_bytes, rel=1e-12)
-            assert comm["tp_reduce_scatter"] == pytest.approx(4 * act_bytes, rel=1e-12)
             norm_params = sum(n for f, n in graph.param_sizes if f.startswith(layers[0].name + ".") and "norm" in f)
-            assert comm["tp_all_reduce"] == pytest.approx(2 * norm_params, rel=1e-12)
+            assert comm["tp_all_gather"] == pytest.approx(4 * act_bytes, rel=1e-12)
+            if fused:
+                assert comm["tp_reduce_scatter"] == pytest.approx(4 * act_bytes, rel=1e-12)
+                assert comm["tp_all_reduce"] == pytest.approx(2 * norm_params, rel=1e-12)
+            else:  # backward: each module of a multi-module region all-reduces its input gradient (q/k/v,
+                # gate/up); a lone colwise linear in the sequence-sharded stream (OPT's fc1) reduce-scatters it
+                ar = 3 + (2 if dims.glu else 0)
+                assert comm["tp_reduce_scatter"] == pytest.approx((4 - (2 if dims.glu else 1)) * act_bytes,
+                                                                  rel=1e-12)
+                assert comm["tp_all_reduce"] == pytest.approx(2 * norm_params + ar * act_bytes, rel=1e-12)
         assert 0 < bs.comm_fwd_s < bs.time_fwd_s and 0 < bs.comm_bwd_s < bs.time_bwd_s
 
 
@@ -275,7 +288,8 @@ def test_context_parallel_and_recompute(traced, cluster) -> None:
     bs = block_strategy(layers[0], graph=graph, tp=tp, cp=cp, microbatch=b, seq=s, cluster=cluster)
     comm = bs.comm_bytes_by_kind
     local_act = b * (s // cp) * h * 2  # each cp rank holds s/cp tokens
-    assert comm["tp_all_reduce"] == pytest.approx(4 * local_act, rel=1e-12)
+    # 2 forward; backward one per column-parallel module (q, k, v, fc1) as the runtime shards them
+    assert comm["tp_all_reduce"] == pytest.approx(6 * local_act, rel=1e-12)
     # Ring attention: this rank's heads of K and V (2 * b*s*h/tp, full sequence) gathered forward and again
     # backward, their gradients reduce-scattered.
     kv_bytes = 2 * b * s * h * 2 / tp
@@ -289,7 +303,7 @@ def test_context_parallel_and_recompute(traced, cluster) -> None:
     assert none.time_bwd_s < sel.time_bwd_s < full.time_bwd_s
     assert full.time_fwd_s == pytest.approx(none.time_fwd_s, rel=1e-12)
     # Full recomputation replays the 2 forward all-reduces inside backward.
-    assert full.comm_bytes_by_kind["tp_all_reduce"] == pytest.approx(6 * b * s * h * 2, rel=1e-12)
+    assert full.comm_bytes_by_kind["tp_all_reduce"] == pytest.approx(8 * b * s * h * 2, rel=1e-12)
 
 
 def test_experts_over_ep_use_all_to_all(cluster) -> None:

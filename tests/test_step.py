@@ -8,7 +8,7 @@ from costmodel.analytic import gpt_workload, llama_workload, sc21_model_flops
 from costmodel.errors import ConfigError
 from costmodel.profiles import make_cluster
 from costmodel.comm import DEFAULT_EFFICIENCY
-from costmodel.layer_time import DEFAULT_STEP_CONSTANTS
+from costmodel.step_config import DEFAULT_STEP_CONSTANTS
 from costmodel.step import ParallelConfig, estimate_step, even_stage_layers
 
 
@@ -256,8 +256,8 @@ def test_tensor_parallel_backward_counts_the_runtime_all_reduces():
     all-gathers under sequence parallelism; with Megatron-LM's fused q/k/v the mirror of the forward."""
     import dataclasses
 
+    from costmodel.block_cost import LayerCtx
     from costmodel.comm import Group, collective_time_s
-    from costmodel.layer_time import LayerCtx, layer_time
 
     cluster = make_cluster("dgx-a100-80gb", 1)
     w = llama_workload(layers=2, hidden=4096, ffn_hidden=14336, heads=32, kv_heads=8, vocab=32000, seq=4096)
@@ -268,8 +268,8 @@ def test_tensor_parallel_backward_counts_the_runtime_all_reduces():
              (False, True, 2 * (ag + rs), 5 * ar + 2 * ag), (True, True, 2 * (ag + rs), 2 * (ag + rs))]
     for fused, sp, fwd, bwd in cases:
         k = dataclasses.replace(DEFAULT_STEP_CONSTANTS, tp_fused_input_projections=fused)
-        ctx = LayerCtx(workload=w, device=cluster.groups[0].node.gpu, cluster=cluster, microbatch=1, tp=8, cp=1,
+        ctx = LayerCtx(device=cluster.groups[0].node.gpu, cluster=cluster, microbatch=1, tp=8, cp=1,
                        ep=1, sp=sp, recompute="none", flash=True, constants=k)
-        t = layer_time(ctx, layer)
+        t = w.coster(layer, ctx)
         assert t.comm_fwd == pytest.approx({"nvswitch": fwd}), (fused, sp)
         assert t.comm_bwd == pytest.approx({"nvswitch": bwd}), (fused, sp)

@@ -33,6 +33,12 @@ def flops_per_step(workload: Any, global_batch: int) -> float:
     return float((workload.flops_fwd_per_seq + workload.flops_bwd_per_seq) * global_batch)
 
 
+def _intra_op_stats(stats: Mapping[str, Any]) -> dict[str, float]:
+    out = {k: float(stats[k]) for k in ("blocks", "distinct_solutions", "max_gap") if k in stats}
+    out.update({status: float(n) for status, n in sorted(dict(stats.get("statuses", {})).items())})
+    return out
+
+
 def stage_plans(
     *, workload: Any, cluster: Any, candidate: Any, module_groups: Mapping[str, Sequence[str]] | None = None
 ) -> tuple[StagePlan, ...]:
@@ -108,6 +114,7 @@ def build_plan(
     time_per_phase_s: dict[str, float],
     record_timings: bool = True,
     module_groups: Mapping[str, Sequence[str]] | None = None,
+    intra_op: Mapping[str, Any] | None = None,
 ) -> Plan:
     best = result.best
     s = best.structure
@@ -122,6 +129,7 @@ def build_plan(
         bound=bound,
         gap=gap,
         candidates_explored=int(result.candidates_explored),
+        intra_op=_intra_op_stats(intra_op or {}),
     )
     alternatives = tuple(
         Alternative(

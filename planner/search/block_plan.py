@@ -37,14 +37,29 @@ log = logging.getLogger(__name__)
 RECOMPUTE_MODES = ("none", "selective", "full")
 
 
+PHASES = ("forward", "backward", "recompute")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CostContext:
-    """How to time work and collectives: two callables, so the builder stays pure and testable."""
+    """How to time work and collectives: callables, so the builder stays pure and testable."""
 
     op_time_s: Callable[[LayerOp, OpStrategy, float, float], float]
     """(op, strategy, local flops, local bytes moved) -> seconds on one device."""
-    collective_time_s: Callable[[Collective], float]
-    """A collective on its mesh axis -> seconds."""
+    collective: Callable[[Collective], tuple[str, float]]
+    """A collective on its mesh axis -> (link kind it runs on, seconds)."""
+    fused_input_projections: bool = False
+    """Column-parallel linears reading one tensor (q / k / v, gate / up) run as ONE module (Megatron-LM's fused
+    QKV): their input gradient is reduced once. False: as the separate modules autopar's runtime shards with
+    DTensor ``ColwiseParallel``, each reducing its own input gradient."""
+    flash: bool = True
+    """Fused attention: backward FLOPs as traced (flash recomputes QK^T), no scores kept. False: the unfused
+    softmax of Megatron-LM 2021 (backward twice the forward, the ``a s^2`` scores kept: Korthikanti et al.)."""
+    scores_bytes: float = 0.0
+    """Unfused attention: bytes of the scores, softmax and dropout mask one micro-batch keeps (unsharded)."""
+
+    def collective_time_s(self, c: Collective) -> float:
+        return self.collective(c)[1]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,10 +67,19 @@ class _Costed:
     strategy: OpStrategy
     fwd_s: float
     bwd_s: float
-    comm_fwd_s: float
-    comm_bwd_s: float
+    """Backward compute, without recomputation."""
+    wgrad_s: float
+    """Part of ``bwd_s`` computing weight gradients."""
+    rec_s: float
+    """Forward compute replayed by recomputation."""
+    comm: tuple[tuple[str, Collective, int], ...]
+    """(phase, collective, count) the op issues itself."""
+    comm_s: float
     state_bytes: float
     act_bytes: float
+    """Kept for the backward under this block's recomputation."""
+    full_act_bytes: float
+    """Kept for the backward without recomputation (what a recomputed block rebuilds)."""
     memory_bytes: float
 
 
@@ -70,55 +94,91 @@ class BlockProblem:
     """(producer, consumer, consumer input index) per ``problem.edges`` entry."""
 
 
-def _collectives_time_s(ctx: CostContext, cs: Sequence[Collective]) -> float:
-    return sum(ctx.collective_time_s(c) for c in cs)
+def _time_s(ctx: CostContext, comm: Sequence[tuple[str, Collective, int]]) -> float:
+    return sum(ctx.collective_time_s(c) * n for _, c, n in comm)
 
 
 def _cost_strategy(op: LayerOp, s: OpStrategy, *, ctx: CostContext, mesh: MeshShape, recompute: str,
                    state_bytes_per_param: float, activation_multiplier: float) -> _Costed:
     frac = s.work_fraction / mesh.cp
+    flops_bwd = op.flops_bwd if ctx.flash or op.kind != "attention" else 2.0 * op.flops_fwd
     fwd = ctx.op_time_s(op, s, op.flops_fwd * frac, op.bytes_fwd * frac) if (op.flops_fwd or op.bytes_fwd) else 0.0
     # Backward reads the forward's inputs and output gradient and writes the input and weight gradients: about
     # twice the forward traffic.
-    bwd = (ctx.op_time_s(op, s, op.flops_bwd * frac, 2.0 * op.bytes_fwd * frac)
-           if (op.flops_bwd or op.bytes_fwd) else 0.0)
+    bwd = ctx.op_time_s(op, s, flops_bwd * frac, 2.0 * op.bytes_fwd * frac) if (flops_bwd or op.bytes_fwd) else 0.0
+    # the weight gradient of a linear is one forward-sized matmul (dW = dY^T X)
+    wgrad = bwd * min(1.0, op.flops_fwd / flops_bwd) if op.params and flops_bwd > 0 else 0.0
     recomputed = recompute == "full" or (recompute == "selective" and op.kind == "attention")
-    comm_fwd = _collectives_time_s(ctx, s.comm_fwd)
+    comm = tuple(("forward", c, 1) for c in s.comm_fwd) + tuple(("backward", c, 1) for c in s.comm_bwd)
     if recomputed:
-        bwd += fwd
-        comm_fwd_again = comm_fwd
-    else:
-        comm_fwd_again = 0.0
-    saved = 0.0 if recomputed and op.kind != "input" else op.saved_bytes * s.act_fraction / mesh.cp
+        comm += tuple(("recompute", c, 1) for c in s.comm_fwd)
+    full = op.saved_bytes * s.act_fraction / mesh.cp
+    if op.kind == "attention" and not ctx.flash:
+        full += ctx.scores_bytes * s.work_fraction / (mesh.cp * mesh.cp)  # s/cp query rows against all s keys
+    saved = 0.0 if recomputed and op.kind != "input" else full
     states = op.params * s.param_fraction * state_bytes_per_param
-    return _Costed(strategy=s, fwd_s=fwd, bwd_s=bwd, comm_fwd_s=comm_fwd,
-                   comm_bwd_s=_collectives_time_s(ctx, s.comm_bwd) + comm_fwd_again, state_bytes=states,
-                   act_bytes=saved, memory_bytes=states + activation_multiplier * saved)
+    return _Costed(strategy=s, fwd_s=fwd, bwd_s=bwd, wgrad_s=wgrad, rec_s=fwd if recomputed else 0.0, comm=comm,
+                   comm_s=_time_s(ctx, comm), state_bytes=states, act_bytes=saved, full_act_bytes=full,
+                   memory_bytes=states + activation_multiplier * saved)
 
 
-def edge_collectives(src: OpStrategy, dst: OpStrategy, index: int, nbytes: float, *, into_output: bool = False
-                     ) -> tuple[tuple[Collective, ...] | None, tuple[Collective, ...]]:
+def _input_copies(op: LayerOp, s: OpStrategy, ctx: CostContext) -> int:
+    """How many modules reduce the input gradient of ``op`` under ``s`` separately (see ``CostContext``)."""
+    if ctx.fused_input_projections or "P" not in s.grad_layouts:
+        return 1
+    return max(1, len(op.modules))
+
+
+def edge_collectives(src: OpStrategy, dst: OpStrategy, index: int, nbytes: float, *, into_output: bool = False,
+                     copies: int = 1) -> tuple[tuple[Collective, ...] | None, tuple[Collective, ...]]:
     """Forward conversion of the producer's output into the consumer's input ``index`` (None: not
     executable), and the backward conversion of the consumer's input gradient into the producer's layout.
-    ``into_output``: the consumer is the block's output (the next block's input preparation)."""
+    ``into_output``: the consumer is the block's output (the next block's input preparation). ``copies`` > 1:
+    the consumer is that many modules, each all-reducing its Partial input gradient to Replicate, after which
+    reaching the producer's layout is a local slice."""
     fwd = forward_conversion(src.out_layout, dst.in_layouts[index], nbytes, at_block_boundary=into_output,
                              consumer_gathers=dst.gathers_sequence)
-    bwd = conversion(dst.grad_layouts[index], dual(src.out_layout), nbytes)
+    grad = dst.grad_layouts[index]
+    if copies > 1 and grad == "P":
+        bwd = conversion("P", "R", nbytes) * copies + conversion("R", dual(src.out_layout), nbytes)
+    else:
+        bwd = conversion(grad, dual(src.out_layout), nbytes)
     return fwd, bwd
 
 
-def _edge_time_s(ctx: CostContext, fwd: Sequence[Collective] | None, bwd: Sequence[Collective],
-                 recompute: str) -> float:
-    """A forward conversion runs again when full recomputation replays the block's forward; inf forbids."""
+def _edge_comm(fwd: Sequence[Collective] | None, bwd: Sequence[Collective], recompute: str
+               ) -> tuple[tuple[str, Collective, int], ...] | None:
+    """A forward conversion runs again when full recomputation replays the block's forward; None forbids."""
     if fwd is None:
-        return math.inf
-    again = 2.0 if recompute == "full" else 1.0
-    return again * _collectives_time_s(ctx, fwd) + _collectives_time_s(ctx, bwd)
+        return None
+    out = tuple(("forward", c, 1) for c in fwd) + tuple(("backward", c, 1) for c in bwd)
+    if recompute == "full":
+        out += tuple(("recompute", c, 1) for c in fwd)
+    return out
 
 
 def _boundary_collectives(src: OpStrategy, dst: OpStrategy, nbytes: float):
     return (forward_conversion(src.out_layout, dst.out_layout, nbytes),
             conversion(dst.out_layout, src.out_layout, nbytes))
+
+
+def _edge_pairs(bp_ops, costed, i: int, j: int, slot: int, *, ctx: CostContext, mesh: MeshShape, recompute: str):
+    """Per (producer strategy, consumer strategy) the edge's collectives (None: forbidden); slot -1 is the
+    periodic edge from this block's output into the next identical block's input."""
+    nbytes = bp_ops[i].out_bytes / mesh.cp
+    rows = []
+    for a in costed[i]:
+        row = []
+        for b in costed[j]:
+            if slot < 0:
+                f, bw = _boundary_collectives(a.strategy, b.strategy, nbytes)
+            else:
+                f, bw = edge_collectives(a.strategy, b.strategy, slot, nbytes,
+                                         into_output=bp_ops[j].kind == "output",
+                                         copies=_input_copies(bp_ops[j], b.strategy, ctx))
+            row.append(_edge_comm(f, bw, recompute))
+        rows.append(tuple(row))
+    return tuple(rows)
 
 
 def block_problem(ops: Sequence[LayerOp], *, mesh: MeshShape, ctx: CostContext, recompute: str = "none",
@@ -135,28 +195,27 @@ def block_problem(ops: Sequence[LayerOp], *, mesh: MeshShape, ctx: CostContext, 
                              activation_multiplier=activation_multiplier) for s in candidates(op, mesh))
         for op in ops
     )
-    edges, triples = [], []
+    triples = []
     for j, op in enumerate(ops):
         for slot, src_name in enumerate(op.inputs):
             if src_name not in index:
                 raise ConfigError(f"op {op.name!r} reads {src_name!r}, which is not an op of the block")
-            i = index[src_name]
-            nbytes = ops[i].out_bytes / mesh.cp
-            matrix = tuple(
-                tuple(_edge_time_s(ctx, *edge_collectives(a.strategy, b.strategy, slot, nbytes,
-                                                          into_output=op.kind == "output"), recompute)
-                      for b in costed[j])
-                for a in costed[i]
-            )
-            edges.append(intra_op.ShardingEdge(src=i, dst=j, cost_s=matrix))
-            triples.append((i, j, slot))
+            triples.append((index[src_name], j, slot))
     if periodic:
-        _add_periodic_edge(ops, costed, edges, triples, ctx=ctx, mesh=mesh, recompute=recompute)
+        ins = [i for i, op in enumerate(ops) if op.kind == "input"]
+        outs = [i for i, op in enumerate(ops) if op.kind == "output"]
+        if len(ins) == 1 and len(outs) == 1:
+            triples.append((outs[0], ins[0], -1))
+    edges = []
+    for i, j, slot in triples:
+        pairs = _edge_pairs(ops, costed, i, j, slot, ctx=ctx, mesh=mesh, recompute=recompute)
+        matrix = tuple(tuple(math.inf if c is None else _time_s(ctx, c) for c in row) for row in pairs)
+        edges.append(intra_op.ShardingEdge(src=i, dst=j, cost_s=matrix))
     problem = intra_op.ShardingProblem(
         op_names=tuple(op.name for op in ops),
         strategy_names=tuple(tuple(c.strategy.name for c in row) for row in costed),
-        compute_s=tuple(tuple(c.fwd_s + c.bwd_s for c in row) for row in costed),
-        comm_s=tuple(tuple(c.comm_fwd_s + c.comm_bwd_s for c in row) for row in costed),
+        compute_s=tuple(tuple(c.fwd_s + c.bwd_s + c.rec_s for c in row) for row in costed),
+        comm_s=tuple(tuple(c.comm_s for c in row) for row in costed),
         memory_bytes=tuple(tuple(c.memory_bytes for c in row) for row in costed),
         edges=tuple(edges),
         memory_budget_bytes=mem_budget_bytes,
@@ -164,49 +223,66 @@ def block_problem(ops: Sequence[LayerOp], *, mesh: MeshShape, ctx: CostContext, 
     return BlockProblem(problem=problem, ops=tuple(ops), costed=costed, edges=tuple(triples))
 
 
-def _add_periodic_edge(ops, costed, edges, triples, *, ctx: CostContext, mesh: MeshShape, recompute: str) -> None:
-    """The next identical block reads this block's output as its input: output layout -> input layout."""
-    ins = [i for i, op in enumerate(ops) if op.kind == "input"]
-    outs = [i for i, op in enumerate(ops) if op.kind == "output"]
-    if len(ins) != 1 or len(outs) != 1:
-        return
-    i, j = outs[0], ins[0]
-    nbytes = ops[i].out_bytes / mesh.cp
-    matrix = tuple(
-        tuple(_edge_time_s(ctx, *_boundary_collectives(a.strategy, b.strategy, nbytes), recompute) for b in costed[j])
-        for a in costed[i]
-    )
-    edges.append(intra_op.ShardingEdge(src=i, dst=j, cost_s=matrix))
-    triples.append((i, j, -1))
-
-
 # --- reading a solution back ------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class BlockStrategy:
-    """The chosen sharding of one block and its predicted cost for one micro-batch on one tp group."""
+    """The chosen sharding of one block and its predicted cost for one micro-batch on one device."""
 
     shardings: tuple[ModuleSharding, ...]
     """Style per parameter-owning module, keyed by module FQN relative to the block."""
     op_strategies: tuple[tuple[str, str], ...]
     """(op name, strategy name) for every coarsened op (also the parameter-free ones)."""
-    time_fwd_s: float
-    time_bwd_s: float
-    """Backward time, including recomputation."""
-    comm_fwd_s: float
-    comm_bwd_s: float
-    """Parts of ``time_fwd_s`` / ``time_bwd_s`` spent in collectives (not overlapped)."""
-    comm_bytes_by_kind: dict[str, float] = field(default_factory=dict)
-    """Full buffer bytes per collective, forward + backward, keyed ``<axis>_<kind>`` (``tp_all_reduce``)."""
+    compute_fwd_s: float = 0.0
+    compute_bwd_s: float = 0.0
+    """Backward compute without recomputation."""
+    wgrad_s: float = 0.0
+    recompute_s: float = 0.0
+    comm_s: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Seconds of collectives by phase (forward, backward, recompute) and link kind."""
+    collectives: tuple[tuple[str, str, str, float, int], ...] = ()
+    """(phase, axis, op, full bytes, count) of every collective one micro-batch issues."""
     memory_bytes: float = 0.0
     """Per device: ``state_bytes + activation_multiplier * activation_bytes`` (what the budget bounded)."""
     state_bytes: float = 0.0
     """Model states (weights, gradients, optimizer) of the block's parameter shards on one device."""
     activation_bytes: float = 0.0
     """Activations one micro-batch keeps for the backward pass on one device."""
+    full_activation_bytes: float = 0.0
+    """The same without recomputation: what a recomputed block rebuilds before its backward."""
+    logits_bytes: float = 0.0
+    """Output bytes of the block's LM head op(s) on one device (the logits the loss reads)."""
+    params_local: float = 0.0
+    """Dense parameters one device holds."""
+    expert_params_local: float = 0.0
     solver: dict[str, Any] = field(default_factory=dict)
-    """status, objective_s, bound_s, gap, solve_time_s, num_variables, num_constraints, cached."""
+    """status, objective_s, bound_s, gap, solve_time_s, num_variables, num_constraints."""
+
+    @property
+    def time_fwd_s(self) -> float:
+        return self.compute_fwd_s + self.comm_fwd_s
+
+    @property
+    def time_bwd_s(self) -> float:
+        """Backward time including recomputation and its collectives."""
+        return self.compute_bwd_s + self.recompute_s + self.comm_bwd_s
+
+    @property
+    def comm_fwd_s(self) -> float:
+        return sum(self.comm_s.get("forward", {}).values())
+
+    @property
+    def comm_bwd_s(self) -> float:
+        return sum(self.comm_s.get("backward", {}).values()) + sum(self.comm_s.get("recompute", {}).values())
+
+    @property
+    def comm_bytes_by_kind(self) -> dict[str, float]:
+        """Full buffer bytes per collective, forward + backward, keyed ``<axis>_<kind>`` (``tp_all_reduce``)."""
+        out: dict[str, float] = {}
+        for _, axis, op, nbytes, count in self.collectives:
+            out[f"{axis}_{op}"] = out.get(f"{axis}_{op}", 0.0) + nbytes * count
+        return out
 
     def style_of(self, fqn: str) -> str:
         for m in self.shardings:
@@ -218,43 +294,40 @@ class BlockStrategy:
 def read_solution(bp: BlockProblem, sol: intra_op.ShardingSolution, *, ctx: CostContext, mesh: MeshShape,
                   recompute: str) -> BlockStrategy:
     chosen = [bp.costed[i][k] for i, k in enumerate(sol.choice)]
-    fwd = sum(c.fwd_s + c.comm_fwd_s for c in chosen)
-    bwd = sum(c.bwd_s + c.comm_bwd_s for c in chosen)
-    comm_f = sum(c.comm_fwd_s for c in chosen)
-    comm_b = sum(c.comm_bwd_s for c in chosen)
-    by_kind: dict[str, float] = {}
-
-    def count(cs: Sequence[Collective], times: int = 1) -> float:
-        for c in cs:
-            key = f"{c.axis}_{c.kind}"
-            by_kind[key] = by_kind.get(key, 0.0) + c.nbytes * times
-        return _collectives_time_s(ctx, cs) * times
-
-    for c in chosen:
-        count(c.strategy.comm_fwd)
-        count(c.strategy.comm_bwd)
+    comm = [item for c in chosen for item in c.comm]
     for i, j, slot in bp.edges:
-        a, b = chosen[i].strategy, chosen[j].strategy
-        nbytes = bp.ops[i].out_bytes / mesh.cp
-        # slot -1: the periodic edge, this block's output converted into the next block's input layout
-        f, bw = (_boundary_collectives(a, b, nbytes) if slot < 0 else
-                 edge_collectives(a, b, slot, nbytes, into_output=bp.ops[j].kind == "output"))
-        again = 2 if recompute == "full" else 1
-        t_f, t_b = count(f, again), count(bw)
-        fwd, bwd = fwd + t_f / again, bwd + t_b + t_f * (again - 1) / again
-        comm_f, comm_b = comm_f + t_f / again, comm_b + t_b + t_f * (again - 1) / again
+        pairs = _edge_pairs(bp.ops, bp.costed, i, j, slot, ctx=ctx, mesh=mesh, recompute=recompute)
+        comm.extend(pairs[sol.choice[i]][sol.choice[j]] or ())
+    by_phase: dict[str, dict[str, float]] = {}
+    counted: dict[tuple[str, str, str, float], int] = {}
+    for phase, c, n in comm:
+        kind, t = ctx.collective(c)
+        if t > 0 or c.nbytes > 0:
+            row = by_phase.setdefault(phase, {})
+            row[kind or c.axis] = row.get(kind or c.axis, 0.0) + t * n
+            key = (phase, c.axis, c.kind, float(c.nbytes))
+            counted[key] = counted.get(key, 0) + n
     shardings = sorted(
         {ModuleSharding(fqn=m, style=c.strategy.style) for op, c in zip(bp.ops, chosen) for m in op.modules},
         key=lambda m: m.fqn,
     )
+    experts = [c for op, c in zip(bp.ops, chosen) if op.kind == "experts"]
+    expert_params = sum(op.params * c.strategy.param_fraction for op, c in zip(bp.ops, chosen) if op.kind == "experts")
+    dense_params = sum(op.params * c.strategy.param_fraction for op, c in zip(bp.ops, chosen) if op.kind != "experts")
     return BlockStrategy(
         shardings=tuple(shardings),
         op_strategies=tuple((op.name, c.strategy.name) for op, c in zip(bp.ops, chosen)),
-        time_fwd_s=fwd, time_bwd_s=bwd, comm_fwd_s=comm_f, comm_bwd_s=comm_b,
-        comm_bytes_by_kind=by_kind,
+        compute_fwd_s=sum(c.fwd_s for c in chosen), compute_bwd_s=sum(c.bwd_s for c in chosen),
+        wgrad_s=sum(c.wgrad_s for c in chosen), recompute_s=sum(c.rec_s for c in chosen),
+        comm_s=by_phase,
+        collectives=tuple((ph, axis, kind, nbytes, n) for (ph, axis, kind, nbytes), n in counted.items()),
         memory_bytes=sol.memory_bytes,
         state_bytes=sum(c.state_bytes for c in chosen),
         activation_bytes=sum(c.act_bytes for c in chosen),
+        full_activation_bytes=sum(c.full_act_bytes for c in chosen),
+        logits_bytes=sum(op.out_bytes * c.strategy.act_fraction / mesh.cp
+                         for op, c in zip(bp.ops, chosen) if op.kind == "head"),
+        params_local=dense_params, expert_params_local=expert_params if experts else 0.0,
         solver={"status": sol.status, "objective_s": sol.objective, "bound_s": sol.bound, "gap": sol.gap,
                 "solve_time_s": sol.solve_time_s, "num_variables": sol.num_variables,
                 "num_constraints": sol.num_constraints},
@@ -269,9 +342,17 @@ def mesh_groups(mesh: MeshShape) -> dict[str, tuple[int, int]]:
     return {"tp": (mesh.tp, 1), "cp": (mesh.cp, mesh.tp), "ep": (mesh.ep, mesh.tp * mesh.cp)}
 
 
-def cluster_cost_context(cluster, *, mesh: MeshShape, device=None, dtype: str = "bf16",
-                         first_rank: int = 0) -> CostContext:
-    """Time ops with ``costmodel.compute.op_time_s`` and collectives with ``costmodel.comm`` on ``cluster``."""
+def cluster_cost_context(cluster, *, mesh: MeshShape, device=None, dtype: str = "bf16", first_rank: int = 0,
+                         sustained_compute: float = 1.0, fused_input_projections: bool = False, flash: bool = True,
+                         causal_fraction: float = 1.0, attention_shape: tuple[int, int, int] | None = None,
+                         softmax_bytes: float = 9.0) -> CostContext:
+    """Time ops with ``costmodel.compute.op_time_s`` and collectives with ``costmodel.comm`` on ``cluster``.
+
+    Matmuls and attention run at ``sustained_compute`` of the kernel rate (a training step's clocks and SMs
+    shared with NCCL: ``costmodel.step_config.StepConstants``). Flash attention computes ``causal_fraction`` of
+    the traced (dense) score FLOPs at the fused-attention rate; unfused attention (``flash=False``) runs as two
+    batched GEMMs of inner size ``head_dim`` plus ``softmax_bytes`` per score (scaled-masked softmax + dropout),
+    with ``attention_shape = (heads, seq, head_dim)`` for one sequence."""
     from costmodel import comm, compute
 
     gpu = device if device is not None else cluster.node_type_of_rank(first_rank).gpu
@@ -279,20 +360,52 @@ def cluster_cost_context(cluster, *, mesh: MeshShape, device=None, dtype: str = 
     groups = {axis: comm.Group(size=size, stride=stride) for axis, (size, stride) in mesh_groups(mesh).items()}
 
     def op_time(op: LayerOp, s: OpStrategy, flops: float, nbytes: float) -> float:
+        if op.op_class == "attention" and not flash and attention_shape is not None:
+            _, seq, hd = attention_shape
+            # flops = 4 rows seq hd, rows = b (heads / tp) (seq / cp) query rows against seq keys each
+            rows = flops / (4.0 * seq * hd)
+            q_rows = max(1, seq // mesh.cp)
+            shape = (max(1, round(rows / q_rows)), q_rows, seq, hd)  # batched QK^T / AV GEMMs
+            t_mm = compute.op_time_s(flops=flops, bytes_moved=0.0, op_class="matmul", device=gpu, dtype=dtype,
+                                     shape=shape, calibration=calibration)
+            t_soft = compute.op_time_s(flops=0.0, bytes_moved=softmax_bytes * rows * seq, op_class="elementwise",
+                                       device=gpu, calibration=calibration)
+            return t_mm / sustained_compute + t_soft
+        if op.op_class == "attention":
+            t = compute.op_time_s(flops=flops * causal_fraction, bytes_moved=0.0, op_class="attention", device=gpu,
+                                  dtype=dtype, calibration=calibration)
+            return t / sustained_compute
         shape = s.local_mnk(op.mnk, tp=mesh.tp, cp=mesh.cp)
-        return compute.op_time_s(flops=flops, bytes_moved=nbytes, op_class=op.op_class, device=gpu, dtype=dtype,
-                                 shape=shape, calibration=calibration)
+        t = compute.op_time_s(flops=flops, bytes_moved=nbytes, op_class=op.op_class, device=gpu, dtype=dtype,
+                              shape=shape, calibration=calibration)
+        return t / sustained_compute if op.op_class == "matmul" else t
 
-    def coll_time(c: Collective) -> float:
+    def coll(c: Collective) -> tuple[str, float]:
         group = groups[c.axis]
         if group.size == 1 or c.nbytes <= 0:
-            return 0.0
-        return comm.collective_time_s(c.kind, c.nbytes, group, cluster, first_rank=first_rank).time_s
+            return "", 0.0
+        cc = comm.collective_time_s(c.kind, c.nbytes, group, cluster, first_rank=first_rank)
+        return cc.link_kind, cc.time_s
 
-    return CostContext(op_time_s=op_time, collective_time_s=coll_time)
+    scores = 0.0
+    if not flash and attention_shape is not None:
+        heads, seq, _ = attention_shape
+        scores = 5.0 * heads * seq * seq  # Korthikanti et al.: scores + softmax (2 B each) + dropout mask (1 B)
+    return CostContext(op_time_s=op_time, collective=coll, fused_input_projections=fused_input_projections,
+                       flash=flash, scores_bytes=scores)
 
 
 # --- memoized entry -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CostOptions:
+    """How kernels run on the execution target (one set per target: ``costmodel.step_config.StepConstants``)."""
+
+    sustained_compute: float = 1.0
+    fused_input_projections: bool = False
+    flash: bool = True
+    softmax_bytes: float = 9.0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -333,8 +446,8 @@ def block_strategy(block, *, graph, tp: int, cp: int = 1, ep: int = 1, microbatc
                    sequence_parallel: bool = False, recompute: str = "none", cluster, device=None,
                    dtype: str = "bf16", mem_budget_bytes: float = math.inf, state_bytes_per_param: float = 16.0,
                    activation_multiplier: float = 1.0, first_rank: int = 0,
-                   options: intra_op.SolverOptions | None = None,
-                   cache: StrategyCache | None = None) -> BlockStrategy:
+                   options: intra_op.SolverOptions | None = None, cost: CostOptions = CostOptions(),
+                   cache: StrategyCache | None = None, ops: Sequence[LayerOp] | None = None) -> BlockStrategy:
     """The sharding of a traced ``planner.graph.Block`` on a (tp, cp, ep) submesh for one micro-batch.
 
     ``graph`` is the ``OpGraph`` the block was found in (``planner.trace.trace``, not coarsened); its op
@@ -359,13 +472,20 @@ def block_strategy(block, *, graph, tp: int, cp: int = 1, ep: int = 1, microbatc
     gpu = device if device is not None else cluster.node_type_of_rank(first_rank).gpu
     key = (getattr(block, "signature", None) or block.name, mesh, microbatch, seq, recompute, gpu.name, dtype,
            _cluster_key(cluster), first_rank, mem_budget_bytes, state_bytes_per_param, activation_multiplier,
-           options)
+           options, cost)
     if cache is not None:
         hit = cache.get(key)
         if hit is not None:
             return hit
-    ops = layer_ops_from_block(block, graph, microbatch=microbatch, seq=seq, dtype=dtype)
-    ctx = cluster_cost_context(cluster, mesh=mesh, device=gpu, dtype=dtype, first_rank=first_rank)
+    if ops is None:
+        ops = layer_ops_from_block(block, graph, microbatch=microbatch, seq=seq, dtype=dtype)
+    attn = getattr(block, "attn_flops_fwd", 0.0)
+    causal = getattr(block, "attn_flops_fwd_causal", attn) / attn if attn else 1.0
+    ctx = cluster_cost_context(cluster, mesh=mesh, device=gpu, dtype=dtype, first_rank=first_rank,
+                               sustained_compute=cost.sustained_compute,
+                               fused_input_projections=cost.fused_input_projections, flash=cost.flash,
+                               causal_fraction=causal, attention_shape=_attention_shape(ops, seq, microbatch),
+                               softmax_bytes=cost.softmax_bytes)
     try:
         result = solve_block(ops, mesh=mesh, ctx=ctx, recompute=recompute,
                              state_bytes_per_param=state_bytes_per_param, activation_multiplier=activation_multiplier,
@@ -376,6 +496,15 @@ def block_strategy(block, *, graph, tp: int, cp: int = 1, ep: int = 1, microbatc
     if cache is not None:
         cache.put(key, result)
     return result
+
+
+def _attention_shape(ops: Sequence[LayerOp], seq: int, microbatch: int) -> tuple[int, int, int] | None:
+    """(heads, seq, head_dim) of the block's attention core, from its FLOPs ``4 b heads s^2 head_dim``."""
+    for op in ops:
+        if op.kind == "attention" and op.shard_dims and op.flops_fwd > 0:
+            heads = op.shard_dims[0]
+            return heads, seq, max(1, round(op.flops_fwd / (4.0 * microbatch * heads * seq * seq)))
+    return None
 
 
 def _explain_infeasible(e: InfeasiblePlanError, *, block, ops: Sequence[LayerOp],

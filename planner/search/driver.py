@@ -533,12 +533,13 @@ def plan_model(
                     fix=fix, time_limit_s=None if time_limit_s is None else max(0.0, time_limit_s - t_trace),
                     progress=progress)
     t1 = time.perf_counter()
-    shardings, intra_stats = model_input.shardings_for(loaded, result.best, cluster=cluster)
+    shardings, intra_stats = model_input.shardings_for(loaded, result.best, cluster=cluster,
+                                                       global_batch=global_batch)
     t_intra = time.perf_counter() - t1
     phases = {"trace": t_trace, **result.time_per_phase_s, "intra_op": t_intra}
     log.info("planned %s: %s, %.4f s/step (%s)", loaded.model_info.name, result.best.summary(),
              result.best.step_time_s, result.status)
     plan = build_plan(model_info=loaded.model_info, workload=loaded.workload, cluster=cluster, result=result,
                       global_batch=global_batch, shardings=shardings, time_per_phase_s=phases,
-                      record_timings=record_timings, module_groups=loaded.module_groups)
+                      record_timings=record_timings, module_groups=loaded.module_groups, intra_op=intra_stats)
     return plan

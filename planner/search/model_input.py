@@ -75,30 +75,37 @@ def sequence_parallel_tps(loaded: LoadedModel, *, cluster: Any, max_tp: int) -> 
     return frozenset(ok)
 
 
-def shardings_for(loaded: LoadedModel, best: Any, *, cluster: Any) -> tuple[tuple[ModuleSharding, ...], dict]:
-    """Per-module sharding of the chosen configuration: P1's per-block ILP, solved once per distinct block
-    (``block_plan.block_strategy`` memoizes on the block signature) and expanded to every member's FQNs."""
-    if not loaded.blocks or loaded.graph is None:
+def shardings_for(loaded: LoadedModel, best: Any, *, cluster: Any, global_batch: int
+                  ) -> tuple[tuple[ModuleSharding, ...], dict]:
+    """Per-module sharding of the chosen configuration: for every workload entry, the solution of the block
+    ILP that the step model priced it with (``GraphCoster.strategy`` at the entry's own layer context: its
+    pipeline rank's node group, its recomputation), expanded to the entry's module FQNs."""
+    coster = loaded.workload.coster
+    if not loaded.blocks or loaded.graph is None or not hasattr(coster, "strategy"):
         log.info("no traced blocks (model given as a Workload): the plan carries no per-module shardings")
         return (), {"blocks": 0}
-    from planner.search.block_plan import StrategyCache, block_strategy
+    from costmodel.step import layer_contexts
+    from planner.search.driver import make_config
 
-    s, k = best.structure, best.knobs
-    cache = StrategyCache()
+    cfg = make_config(best.structure, best.knobs, global_batch=global_batch)
+    contexts = layer_contexts(loaded.workload, cfg, cluster, stage_layers=best.stage_layers)
     out: dict[str, str] = {}
-    solved: set[int] = set()
-    for block in loaded.blocks:
-        strat = block_strategy(block, graph=loaded.graph, tp=s.tp, cp=s.cp, ep=s.ep, microbatch=s.microbatch, seq=loaded.workload.seq,
-                               sequence_parallel=k.sequence_parallel, recompute=k.recompute, cluster=cluster,
-                               cache=cache)
-        solved.add(id(strat))
-        prefix = block.name if getattr(block, "kind", "") == "transformer" else ""
+    solved: dict[int, dict] = {}
+    for layer, ctx in zip(loaded.workload.layers, contexts):
+        strat = coster.strategy(layer, ctx)
+        solved[id(strat)] = strat.solver
+        prefix = layer.name if layer.kind not in ("embedding", "head") else ""
         for m in strat.shardings:
             fqn = f"{prefix}.{m.fqn}" if prefix and m.fqn else (m.fqn or prefix)
             out.setdefault(fqn, m.style)
     _tie_vocab_styles(out, loaded)
     shardings = tuple(ModuleSharding(fqn=f, style=style) for f, style in out.items())  # execution order
-    return shardings, {"blocks": len(loaded.blocks), "distinct_solutions": len(solved)}
+    statuses: dict[str, int] = {}
+    for sol in solved.values():
+        statuses[str(sol.get("status"))] = statuses.get(str(sol.get("status")), 0) + 1
+    gaps = [float(sol.get("gap", 0.0)) for sol in solved.values()]
+    return shardings, {"blocks": len(loaded.workload.layers), "distinct_solutions": len(solved),
+                       "statuses": statuses, "max_gap": max(gaps, default=0.0)}
 
 
 def _tie_vocab_styles(styles: dict[str, str], loaded: LoadedModel) -> None:

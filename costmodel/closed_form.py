@@ -1,107 +1,49 @@
-"""Time of one layer (``LayerWork``) for one micro-batch on one device: compute and per-layer collectives.
+"""The closed-form cost of a transformer layer (Narayanan et al. SC21; Korthikanti et al. 2022): a test oracle.
 
-Used by ``costmodel.step``. A transformer layer's dense matmul FLOPs (``flops_fwd - attn_flops_fwd``, as traced
-or counted) run at the efficiency of its GEMM shapes (q/k/v, o, MLP up/gate, down) sharded over tp, from
-``costmodel.compute``; the attention core at the fused-attention rate (flash) or as two batched GEMMs of
-inner size ``head_dim`` (Megatron 2021's unfused kernel) plus its softmax / mask / dropout traffic; the
-memory-bound rest (norms, bias + activation, dropout, residual) from per-token byte counts (``StepConstants``).
-Backward: twice the forward GEMM time (input and weight gradient), twice the memory-bound traffic.
+``ClosedFormCoster`` prices a ``LayerWork`` from the model's dimensions alone, as Megatron-style formulas do.
+The step model never uses it for a traced model (those are priced from their graph by the planner's graph
+coster); ``costmodel.analytic`` workloads carry it so that tests can hold the graph-derived costs against the
+formulas on Megatron-style blocks. Forward: the layer's dense matmul FLOPs at the efficiency of its GEMM shapes
+(q/k/v, o, MLP up/gate, down) sharded over tp (``costmodel.compute``); the attention core at the fused-attention
+rate (flash, causal) or as two batched GEMMs of inner size ``head_dim`` plus the softmax / mask / dropout
+traffic (unfused); the memory-bound rest from per-token byte counts (``StepConstants``). Backward: twice the
+forward GEMM and memory-bound time, 2.5x the flash forward.
 
-Collectives per transformer layer: tp: 2 all-reduces of ``b s h`` in forward, or with sequence parallelism an
-all-gather + reduce-scatter pair each (same volume); in backward one all-reduce per column-parallel projection
-(separate q / k / v / gate / up, as the runtime applies them; Megatron's fused QKV: 2), plus under sequence
-parallelism 2 all-gathers (see ``_tp_comm``); cp: K/V all-gather in forward and reduce-scatter of their gradients
-in backward, on the critical path (the runtime's all-gather context parallel issues them before / after the
-attention core); ep: dispatch + combine all-to-alls of ``b s h top_k`` in forward and again in backward.
+Collectives per layer: tp: 2 all-reduces of ``b s h`` forward (sequence parallel: 2 all-gathers + 2
+reduce-scatters); backward one all-reduce per column-parallel projection (q, k, v, gate / up separately, or 2
+with ``tp_fused_input_projections``), plus 2 all-gathers under sequence parallelism; cp: K/V all-gather forward,
+reduce-scatter backward; ep: dispatch + combine all-to-alls forward and backward. Memory: Korthikanti's
+activation bytes (``costmodel.memory.activation_bytes_per_layer``), the logits of the head.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from costmodel import memory as mem
+from costmodel.block_cost import LayerCost, LayerCtx
 from costmodel.comm import Group, collective_time_s
 from costmodel.compute import dispatch_time_s, matmul_time_s, op_time_s
-from costmodel.hardware import Accelerator, Cluster
-from costmodel.workload import LayerWork, Workload
+from costmodel.workload import LayerWork
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class StepConstants:
-    """The step model's own constants (one set for every case; see ``benchmarks/fidelity.py`` for how they
-    were set). Memory-bound traffic in bytes per token and hidden (or ffn) element, forward pass, bf16:
+class TransformerDims:
+    """The dimensions the formulas need (one sequence of ``seq`` tokens)."""
 
-    - ``elementwise_replicated_bytes`` 22: two LayerNorms (read + write 4 each), two dropout + residual adds
-      (read 2 x 2 + mask, write 2: 7 each): replicated over tp unless sequence parallel.
-    - ``elementwise_ffn_bytes`` 4: bias + GeLU over the ``f / tp`` MLP activations (read 2, write 2).
-    - ``softmax_bytes`` 9 per attention score (unfused attention): scaled-masked softmax read + write 4,
-      dropout read + write 4, mask 1.
-    - ``optimizer_bytes_per_param`` 32: Adam reads and writes fp32 master, momentum, variance (24), reads the
-      gradient and writes the bf16 weight.
-    - ``overlap_slowdown`` 0.5: an overlapped collective still slows the compute it hides behind (NCCL
-      kernels take SMs and HBM bandwidth, and prefetching leaves the first and last gathers exposed; the step
-      is ``max(comm, compute) + k min(comm, compute)``).
-    - ``zero3_flat_nic`` True: ZeRO-3's per-parameter all-gathers / reduce-scatters across nodes run as a flat
-      ring at each GPU's own NIC rate (no rail-parallel hierarchy), as DeepSpeed / FSDP issue them.
-    - ``zero3_passes_recompute`` False: with full recomputation a layer's recomputed forward runs right before
-      its backward, so one parameter all-gather serves both (three passes a micro-batch: gather in forward,
-      gather before recompute + backward, reduce-scatter of the gradients).
-    - ``zero3_collectives_per_layer`` 1: ZeRO-3 gathers and reduces parameters once per layer per pass, as
-      autopar's runtime runs it (FSDP2 ``fully_shard`` on each block), each paying the ring latency
-      ``(n - 1) alpha``. DeepSpeed ZeRO-3 fetches module by module (two LayerNorms, QKV, attention projection,
-      two MLP linears): 6, what ``benchmarks/fidelity.py`` uses for the SC21 DeepSpeed rows.
-    - ``tp_fused_input_projections`` False: the backward all-reduces the input gradient of each
-      column-parallel projection separately (q, k, v, and the MLP's up or gate + up: DTensor's
-      ``ColwiseParallel`` on separate modules, as autopar's runtime applies it); True: once for attention and
-      once for the MLP (Megatron-LM's fused QKV, what ``benchmarks/fidelity.py`` uses).
-    """
-
-    elementwise_replicated_bytes: float = 22.0
-    elementwise_ffn_bytes: float = 4.0
-    softmax_bytes: float = 9.0
-    optimizer_bytes_per_param: float = 32.0
-    overlap_slowdown: float = 0.5
-    zero3_flat_nic: bool = True
-    zero3_passes_recompute: bool = False
-    zero3_collectives_per_layer: int = 1
-    tp_fused_input_projections: bool = False
-    sustained_compute: float = 0.85
-    last_bucket_bytes: float = 25e6
-    """Gradient bucket reduced after the backward ends (PyTorch DDP's default bucket): never overlapped."""
-
-
-DEFAULT_STEP_CONSTANTS = StepConstants()
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class LayerTime:
-    """One layer, one micro-batch, one device (seconds). ``comm`` maps link kind -> exposed seconds."""
-
-    fwd_s: float
-    bwd_s: float
-    wgrad_s: float
-    """Part of ``bwd_s`` that is weight-gradient work (zero-bubble's W)."""
-    recompute_s: float
-    """Extra forward work recomputation adds to the backward."""
-    comm_fwd: dict[str, float]
-    comm_bwd: dict[str, float]
-    comm_recompute: dict[str, float]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class LayerCtx:
-    """What every layer of one configuration shares."""
-
-    workload: Workload
-    device: Accelerator
-    cluster: Cluster
-    microbatch: int
-    tp: int
-    cp: int
-    ep: int
-    sp: bool
-    recompute: str
-    flash: bool
-    constants: StepConstants
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn_hidden: int
+    vocab: int
+    seq: int
+    experts: int = 0
+    topk: int = 0
+    glu: bool = False
+    dtype_bytes: int = 2
+    attn_causal_fraction: float = 0.5
+    logits_bytes: float = 6.0
+    """Per logit element: the bf16 logits plus their fp32 copy for the loss."""
 
 
 def _add(d: dict[str, float], kind: str, t: float) -> None:
@@ -109,9 +51,9 @@ def _add(d: dict[str, float], kind: str, t: float) -> None:
         d[kind] = d.get(kind, 0.0) + t
 
 
-def _gemm_time_per_flop(c: LayerCtx, tokens: int) -> float:
+def _gemm_time_per_flop(w: TransformerDims, c: LayerCtx, tokens: int) -> float:
     """Seconds per FLOP of the layer's GEMMs (analytic shapes sharded over tp)."""
-    w, tp = c.workload, c.tp
+    tp = c.tp
     h, f = w.hidden, w.ffn_hidden
     h_kv = h * w.kv_heads // w.heads
     shapes = [(tokens, max(1, (h + 2 * h_kv) // tp), h), (tokens, h, max(1, h // tp))]
@@ -121,15 +63,14 @@ def _gemm_time_per_flop(c: LayerCtx, tokens: int) -> float:
     return t / sum(2.0 * m * n * k for m, n, k in shapes) / c.constants.sustained_compute
 
 
-def _attention_s(c: LayerCtx, layer: LayerWork, tokens: int) -> tuple[float, float]:
+def _attention_s(w: TransformerDims, c: LayerCtx, layer: LayerWork, tokens: int) -> tuple[float, float]:
     """(forward, backward) seconds of the attention core, incl. its memory traffic when unfused."""
-    w = c.workload
     flops = layer.attn_flops_fwd * c.microbatch / (c.tp * c.cp)
     if flops <= 0:
         return 0.0, 0.0
     cal = c.cluster.calibration
     if c.flash:
-        flops *= float(w.meta.get("attn_causal_fraction", 0.5))  # causal kernels skip the masked half
+        flops *= w.attn_causal_fraction  # causal kernels skip the masked half
         fwd = op_time_s(flops=flops, bytes_moved=0.0, op_class="attention", device=c.device,
                         calibration=cal) / c.constants.sustained_compute
         return fwd, 2.5 * fwd  # FlashAttention-2 backward: 2x FLOPs at ~80% of the forward's rate
@@ -144,7 +85,7 @@ def _attention_s(c: LayerCtx, layer: LayerWork, tokens: int) -> tuple[float, flo
     return mm + soft, 2.0 * (mm + soft)
 
 
-def _tp_comm(c: LayerCtx, tokens: int) -> tuple[str, float, float]:
+def _tp_comm(w: TransformerDims, c: LayerCtx, tokens: int) -> tuple[str, float, float]:
     """Link kind and forward / backward seconds of a transformer layer's tp collectives on ``b s h`` bytes.
 
     Forward: 2 all-reduces (attention and MLP outputs), or under sequence parallelism 2 all-gathers (the regions'
@@ -156,13 +97,13 @@ def _tp_comm(c: LayerCtx, tokens: int) -> tuple[str, float, float]:
     loss-parallel included)."""
     if c.tp == 1:
         return "", 0.0, 0.0
-    nbytes = tokens * c.workload.hidden * c.workload.dtype_bytes
+    nbytes = tokens * w.hidden * w.dtype_bytes
     g = Group(size=c.tp, stride=1)
     ar = collective_time_s("all_reduce", nbytes, g, c.cluster)
     ag = collective_time_s("all_gather", nbytes, g, c.cluster)
     rs = collective_time_s("reduce_scatter", nbytes, g, c.cluster)
     fused = c.constants.tp_fused_input_projections
-    n = 3 + (2 if c.workload.glu else 1)
+    n = 3 + (2 if w.glu else 1)
     if c.sp:
         fwd = 2.0 * (ag.time_s + rs.time_s)
         bwd = fwd if fused else n * ar.time_s + 2.0 * ag.time_s
@@ -172,15 +113,21 @@ def _tp_comm(c: LayerCtx, tokens: int) -> tuple[str, float, float]:
     return ar.link_kind, fwd, bwd
 
 
-def transformer_time(c: LayerCtx, layer: LayerWork) -> LayerTime:
-    w, k = c.workload, c.constants
+def _activations(w: TransformerDims, c: LayerCtx, recompute: str) -> float:
+    return mem.activation_bytes_per_layer(seq=w.seq, microbatch=c.microbatch, hidden=w.hidden, heads=w.heads,
+                                          tp=c.tp, sp=c.sp, cp=c.cp, recompute=recompute, flash=c.flash,
+                                          ffn_hidden=w.ffn_hidden, kv_heads=w.kv_heads, glu=w.glu)
+
+
+def transformer_cost(w: TransformerDims, c: LayerCtx, layer: LayerWork) -> LayerCost:
+    k = c.constants
     tokens = max(1, c.microbatch * w.seq // c.cp)
     # routed experts run whole on each tp rank (runtime.expert_parallel copies them over tp): not divided by tp
     expert_flops = 2.0 * w.seq * max(1, w.topk) * layer.expert_params / w.experts if w.experts else 0.0
     dense_flops = max(0.0, layer.flops_fwd - layer.attn_flops_fwd - expert_flops)
     gemm_flops = (dense_flops / c.tp + expert_flops) * c.microbatch / c.cp
-    t_gemm = gemm_flops * _gemm_time_per_flop(c, tokens)
-    t_attn_f, t_attn_b = _attention_s(c, layer, tokens)
+    t_gemm = gemm_flops * _gemm_time_per_flop(w, c, tokens)
+    t_attn_f, t_attn_b = _attention_s(w, c, layer, tokens)
     elem_bytes = tokens * (k.elementwise_replicated_bytes * w.hidden / (c.tp if c.sp else 1)
                            + k.elementwise_ffn_bytes * w.ffn_hidden * (2 if w.glu else 1) / c.tp)
     t_elem = op_time_s(flops=0.0, bytes_moved=elem_bytes, op_class="elementwise", device=c.device,
@@ -191,7 +138,7 @@ def transformer_time(c: LayerCtx, layer: LayerWork) -> LayerTime:
     bwd = 2.0 * t_gemm + t_attn_b + 2.0 * t_elem + d_b
     comm_f: dict[str, float] = {}
     comm_b: dict[str, float] = {}
-    kind, tp_f, tp_b = _tp_comm(c, tokens)
+    kind, tp_f, tp_b = _tp_comm(w, c, tokens)
     _add(comm_f, kind, tp_f)
     _add(comm_b, kind, tp_b)
     if c.cp > 1:  # K/V all-gather (fwd) and reduce-scatter of dK/dV (bwd) before / after the attention core:
@@ -208,16 +155,20 @@ def transformer_time(c: LayerCtx, layer: LayerWork) -> LayerTime:
         _add(comm_f, a2a.link_kind, 2.0 * a2a.time_s)
         _add(comm_b, a2a.link_kind, 2.0 * a2a.time_s)
     rec_s, comm_r = 0.0, {}
+    working = 0.0
     if c.recompute == "full":
         rec_s, comm_r = fwd, dict(comm_f)
+        working = _activations(w, c, "none")
     elif c.recompute == "selective":
         rec_s = t_attn_f
-    return LayerTime(fwd_s=fwd, bwd_s=bwd, wgrad_s=t_gemm, recompute_s=rec_s, comm_fwd=comm_f, comm_bwd=comm_b,
-                     comm_recompute=comm_r)
+        if not c.flash:  # the recomputed scores of one layer at a time
+            working = 5.0 * w.heads * w.seq * w.seq * c.microbatch / (c.tp * c.cp * c.cp)
+    return LayerCost(fwd_s=fwd, bwd_s=bwd, wgrad_s=t_gemm, recompute_s=rec_s, comm_fwd=comm_f, comm_bwd=comm_b,
+                     comm_recompute=comm_r, activation_bytes=_activations(w, c, c.recompute), working_bytes=working,
+                     params=(layer.params - layer.expert_params) / c.tp, expert_params=layer.expert_params / c.ep)
 
 
-def embedding_time(c: LayerCtx, layer: LayerWork) -> LayerTime:
-    w = c.workload
+def embedding_cost(w: TransformerDims, c: LayerCtx, layer: LayerWork) -> LayerCost:
     tokens = max(1, c.microbatch * w.seq // c.cp)
     nbytes = tokens * w.hidden * w.dtype_bytes
     t = op_time_s(flops=0.0, bytes_moved=2.0 * nbytes, op_class="embedding", device=c.device,
@@ -227,13 +178,12 @@ def embedding_time(c: LayerCtx, layer: LayerWork) -> LayerTime:
         op = "reduce_scatter" if c.sp else "all_reduce"
         cc = collective_time_s(op, nbytes, Group(size=c.tp, stride=1), c.cluster)
         _add(comm, cc.link_kind, cc.time_s)
-    return LayerTime(fwd_s=t, bwd_s=2.0 * t, wgrad_s=2.0 * t, recompute_s=0.0, comm_fwd=comm, comm_bwd={},
-                     comm_recompute={})
+    return LayerCost(fwd_s=t, bwd_s=2.0 * t, wgrad_s=2.0 * t, recompute_s=0.0, comm_fwd=comm,
+                     params=layer.params / c.tp)
 
 
-def head_time(c: LayerCtx, layer: LayerWork) -> LayerTime:
+def head_cost(w: TransformerDims, c: LayerCtx, layer: LayerWork) -> LayerCost:
     """LM head (vocab-parallel) + loss: one GEMM over V / tp and the logits' memory traffic."""
-    w = c.workload
     tokens = max(1, c.microbatch * w.seq // c.cp)
     flops = layer.flops_fwd * c.microbatch / (c.tp * c.cp)
     cal = c.cluster.calibration
@@ -249,27 +199,34 @@ def head_time(c: LayerCtx, layer: LayerWork) -> LayerTime:
         cc = collective_time_s("all_gather", tokens * w.hidden * w.dtype_bytes, Group(size=c.tp, stride=1),
                                c.cluster)
         _add(comm, cc.link_kind, cc.time_s)
-    return LayerTime(fwd_s=t_mm + t_loss + d_f, bwd_s=2.0 * t_mm + t_loss + d_b, wgrad_s=t_mm, recompute_s=0.0,
-                     comm_fwd=comm, comm_bwd=dict(comm), comm_recompute={})
+    return LayerCost(fwd_s=t_mm + t_loss + d_f, bwd_s=2.0 * t_mm + t_loss + d_b, wgrad_s=t_mm, recompute_s=0.0,
+                     comm_fwd=comm, comm_bwd=dict(comm), working_bytes=tokens * vt * w.logits_bytes,
+                     params=layer.params / c.tp)
 
 
-def other_time(c: LayerCtx, layer: LayerWork) -> LayerTime:
-    """Any other block: its FLOPs at the large-matmul rate, its bytes at the memory rate."""
+def other_cost(c: LayerCtx, layer: LayerWork) -> LayerCost:
+    """Any other block: its FLOPs at the large-matmul rate, its bytes at the memory rate, replicated."""
     cal = c.cluster.calibration
-    scale = c.microbatch / (c.tp * c.cp)
+    scale = c.microbatch / c.cp
     fwd = op_time_s(flops=layer.flops_fwd * scale, bytes_moved=layer.bytes_fwd * scale, op_class="matmul",
                     device=c.device, calibration=cal)
     bwd = op_time_s(flops=layer.flops_bwd * scale, bytes_moved=2.0 * layer.bytes_fwd * scale, op_class="matmul",
                     device=c.device, calibration=cal)
-    return LayerTime(fwd_s=fwd, bwd_s=bwd, wgrad_s=bwd / 2, recompute_s=fwd if c.recompute == "full" else 0.0,
-                     comm_fwd={}, comm_bwd={}, comm_recompute={})
+    return LayerCost(fwd_s=fwd, bwd_s=bwd, wgrad_s=bwd / 2, recompute_s=fwd if c.recompute == "full" else 0.0,
+                     params=float(layer.params))
 
 
-def layer_time(c: LayerCtx, layer: LayerWork) -> LayerTime:
-    if layer.kind == "transformer":
-        return transformer_time(c, layer)
-    if layer.kind == "embedding":
-        return embedding_time(c, layer)
-    if layer.kind == "head":
-        return head_time(c, layer)
-    return other_time(c, layer)
+@dataclass(frozen=True, slots=True)
+class ClosedFormCoster:
+    """``BlockCoster`` from the formulas above (the oracle; see the module docstring)."""
+
+    dims: TransformerDims
+
+    def __call__(self, layer: LayerWork, ctx: LayerCtx) -> LayerCost:
+        if layer.kind == "transformer":
+            return transformer_cost(self.dims, ctx, layer)
+        if layer.kind == "embedding":
+            return embedding_cost(self.dims, ctx, layer)
+        if layer.kind == "head":
+            return head_cost(self.dims, ctx, layer)
+        return other_cost(ctx, layer)

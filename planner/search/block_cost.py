@@ -1,0 +1,90 @@
+"""``GraphCoster``: the step model's block costs from a block's traced ops, under the sharding the ILP picks.
+
+For one distinct block (``planner.graph.Block``, found by its signature) and one layer context
+(``costmodel.block_cost.LayerCtx``), ``block_plan.block_strategy`` solves the intra-op ILP over the block's
+traced ops: compute per op from its FLOPs and bytes, the collectives its strategy and the resharding between
+neighbours imply, the activation bytes the graph keeps for backward, recomputation. The answer is both the
+``LayerCost`` the step model composes and the per-module shardings the plan file records, so what is priced
+is what the runtime is told to apply. Solutions are memoized per (block, context) for the planning run.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+from costmodel.block_cost import LayerCost, LayerCtx, PricedCollective
+from costmodel.compute import dispatch_time_s
+from costmodel.errors import ConfigError, InfeasiblePlanError
+from costmodel.workload import LayerWork
+from planner.search.block_ops import layer_ops_from_block
+from planner.search.block_plan import BlockStrategy, CostOptions, StrategyCache, block_strategy
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {2: "bf16", 4: "fp32"}
+
+
+class GraphCoster:
+    """``BlockCoster`` over a traced graph (see the module docstring). One per traced model; it holds the
+    memo of solved blocks, so the step model's own memo (by identity) stays valid."""
+
+    def __init__(self, *, graph, blocks: Sequence, seq: int, dtype_bytes: int = 2,
+                 logits_bytes_per_element: float = 6.0) -> None:
+        self._graph = graph
+        self._blocks = {b.signature: b for b in blocks}
+        self._by_name = {b.name: b for b in blocks}
+        self._seq = int(seq)
+        self._dtype = _DTYPES.get(int(dtype_bytes), "bf16")
+        self._dtype_bytes = int(dtype_bytes)
+        self._logits_factor = logits_bytes_per_element / self._dtype_bytes
+        self.cache = StrategyCache()
+        self._ops: dict[tuple[str, int], tuple] = {}
+
+    def block_of(self, layer: LayerWork):
+        block = self._blocks.get(layer.signature) if layer.signature else None
+        block = block or self._by_name.get(layer.name)
+        if block is None:
+            raise ConfigError(f"no traced block for workload entry {layer.name!r} (signature "
+                              f"{layer.signature[:12]!r}): build the workload and its coster from the same trace")
+        return block
+
+    def strategy(self, layer: LayerWork, ctx: LayerCtx) -> BlockStrategy:
+        """The block's solved sharding in ``ctx`` (memoized): what ``__call__`` prices."""
+        k = ctx.constants
+        cost = CostOptions(sustained_compute=k.sustained_compute, fused_input_projections=k.tp_fused_input_projections,
+                           flash=ctx.flash, softmax_bytes=k.softmax_bytes)
+        block = self.block_of(layer)
+        key = (block.signature, ctx.microbatch)
+        if key not in self._ops:
+            self._ops[key] = layer_ops_from_block(block, self._graph, microbatch=ctx.microbatch, seq=self._seq,
+                                                  dtype=self._dtype)
+        try:
+            return block_strategy(block, graph=self._graph, tp=ctx.tp, cp=ctx.cp, ep=ctx.ep,
+                                  microbatch=ctx.microbatch, seq=self._seq, sequence_parallel=ctx.sp,
+                                  recompute=ctx.recompute, cluster=ctx.cluster, device=ctx.device,
+                                  dtype=self._dtype, cost=cost, cache=self.cache, ops=self._ops[key])
+        except InfeasiblePlanError as e:  # e.g. no executable sequence-parallel sharding: the search skips it
+            raise ConfigError(str(e)) from None
+
+    def __call__(self, layer: LayerWork, ctx: LayerCtx) -> LayerCost:
+        s = self.strategy(layer, ctx)
+        cal = ctx.cluster.calibration
+        d_f = d_b = 0.0
+        if layer.kind != "embedding":  # framework time per pass (CPU calibrations; zero on GPUs)
+            part = "model" if layer.kind == "head" else "layer"
+            d_f, d_b = dispatch_time_s(part=part, device=ctx.device, calibration=cal, tensor_parallel=ctx.tp > 1)
+        rec = s.recompute_s + (d_f if ctx.recompute == "full" else 0.0)
+        working = s.full_activation_bytes - s.activation_bytes if ctx.recompute != "none" else 0.0
+        if layer.kind == "head":
+            working += s.logits_bytes * self._logits_factor
+        return LayerCost(
+            fwd_s=s.compute_fwd_s + d_f, bwd_s=s.compute_bwd_s + d_b, wgrad_s=s.wgrad_s, recompute_s=rec,
+            comm_fwd=dict(s.comm_s.get("forward", {})), comm_bwd=dict(s.comm_s.get("backward", {})),
+            comm_recompute=dict(s.comm_s.get("recompute", {})),
+            activation_bytes=s.activation_bytes, working_bytes=max(0.0, working),
+            params=s.params_local, expert_params=s.expert_params_local,
+            collectives=tuple(PricedCollective(axis=axis, op=op, nbytes=nbytes, phase=phase, count=n)
+                              for phase, axis, op, nbytes, n in s.collectives),
+            solver=dict(s.solver),
+        )
