@@ -14,6 +14,8 @@
   ``named_parameters()``, ``state_dict()`` / ``load_state_dict()`` (for torch.distributed.checkpoint), ``plan``.
 - ``runtime.checkpoint.Checkpointer``: distributed checkpoints that reshard on load.
 - ``runtime.manual_plan.manual_plan(model, tp=, cp=, dp=, pp=, ...)``: a Plan chosen by hand (tests, examples).
+- ``runtime.measure``: this machine and plans on it: calibration (``autopar calibrate``), a plan's measured steps
+  (``autopar validate``), and the one helper that starts local ranks (``runtime.measure.spawn``).
 """
 
 from runtime.apply import apply_plan

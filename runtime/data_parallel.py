@@ -51,7 +51,8 @@ def wraps_with_ddp(model: nn.Module, *, plan: Plan, mesh: DeviceMesh) -> bool:
             and not any(isinstance(p, DTensor) for p in model.parameters()))
 
 
-def apply_data_parallel(model: nn.Module, *, plan: Plan, mesh: DeviceMesh, expert_fqns: Iterable[str] = ()) -> nn.Module:
+def apply_data_parallel(model: nn.Module, *, plan: Plan, mesh: DeviceMesh,
+                        expert_fqns: Iterable[str] = ()) -> nn.Module:
     """Wrap ``model`` for data parallelism over the batch axis; returns the module to call (DDP may wrap it)."""
     dp_mesh = grad_mesh(mesh)  # the batch axes, times cp when context parallel
     if dp_mesh.size() == 1:
