@@ -125,6 +125,14 @@ class StagePlan:
     predicted_memory_gb: float = 0.0
     """Memory of each device of the chunk's pipeline rank (all its chunks together: the same on each of them)."""
 
+    @classmethod
+    def placed(cls, index: int, *, pp: int, world_size: int, modules: tuple[str, ...], **fields: Any) -> "StagePlan":
+        """Chunk ``index`` where the mesh puts it: on pipeline rank ``index % pp`` (loop placement), whose ranks are
+        the contiguous block ``[r * N / pp, (r + 1) * N / pp)`` of the row-major (pp, dp, ep, cp, tp) mesh."""
+        r, per_rank = index % pp, world_size // pp
+        return cls(index=index, pp_rank=r, modules=tuple(modules), ranks=tuple(range(r * per_rank, (r + 1) * per_rank)),
+                   **fields)
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModuleSharding:
@@ -203,6 +211,33 @@ class Plan:
     prediction: Prediction
     solver: SolverStats = field(default_factory=SolverStats)
     alternatives: tuple[Alternative, ...] = ()
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        model: ModelInfo,
+        cluster: ClusterInfo,
+        degrees: ParallelDegrees,
+        stages: Iterable[StagePlan],
+        schedule: ScheduleSpec,
+        prediction: Prediction,
+        shardings: Iterable[ModuleSharding] = (),
+        zero_stage: int = 0,
+        sequence_parallel: bool = False,
+        solver: SolverStats | None = None,
+        alternatives: Iterable[Alternative] = (),
+    ) -> "Plan":
+        """A plan from its parts (stages from ``StagePlan.placed``): the mesh follows the degrees, the global batch
+        is microbatch_size x num_microbatches x dp; checked as a loaded plan is (``PlanMismatchError``)."""
+        plan = cls(
+            model=model, cluster=cluster, degrees=degrees, mesh=MeshSpec.from_degrees(degrees), stages=tuple(stages),
+            shardings=tuple(shardings), zero_stage=zero_stage, sequence_parallel=sequence_parallel, schedule=schedule,
+            global_batch=schedule.microbatch_size * schedule.num_microbatches * degrees.dp, prediction=prediction,
+            solver=solver if solver is not None else SolverStats(), alternatives=tuple(alternatives),
+        )
+        _check_consistency(plan)
+        return plan
 
     def to_dict(self) -> dict[str, Any]:
         return _to_jsonable(self)

@@ -7,7 +7,6 @@ from typing import Any, Mapping, Sequence
 from planner.plan import (
     Alternative,
     ClusterInfo,
-    MeshSpec,
     ModelInfo,
     ModuleSharding,
     ParallelDegrees,
@@ -59,11 +58,11 @@ def stage_plans(
     for c, n in enumerate(candidate.stage_layers):
         r = c % s.pp
         ranks = tuple(range(r * per_rank, (r + 1) * per_rank))
-        out.append(StagePlan(
-            index=c,
-            pp_rank=r,
+        out.append(StagePlan.placed(
+            c,
+            pp=s.pp,
+            world_size=cluster.num_devices,
             modules=tuple(m for group in names[start : start + n] for m in group),
-            ranks=ranks,
             recompute=candidate.knobs.recompute,
             gpu=devices[r] if len(devices) == s.pp else cluster.group_of_rank(ranks[0]).node.gpu.name,
             predicted_time_s=chunk_times[c],
@@ -140,11 +139,10 @@ def build_plan(
         )
         for c in result.alternatives
     )
-    return Plan(
+    return Plan.build(
         model=model_info,
         cluster=cluster_info(cluster),
         degrees=degrees,
-        mesh=MeshSpec.from_degrees(degrees),
         stages=stage_plans(workload=workload, cluster=cluster, candidate=best, module_groups=module_groups),
         shardings=tuple(shardings),
         zero_stage=best.knobs.zero_stage,
@@ -153,7 +151,6 @@ def build_plan(
             name=s.schedule, microbatch_size=s.microbatch, num_microbatches=s.num_microbatches,
             virtual_stages=s.virtual_stages,
         ),
-        global_batch=global_batch,
         prediction=prediction(best.estimate),
         solver=stats,
         alternatives=alternatives,
