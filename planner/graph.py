@@ -45,6 +45,8 @@ class OpNode:
     """Attention: fraction of the score matrix a causal kernel computes (1.0 = dense / not causal)."""
     bytes_read: float = 0.0
     bytes_written: float = 0.0
+    saved_bytes: float | None = None
+    """Bytes autograd keeps for backward because of this op (``planner.saved``; None: not measured)."""
     params: tuple[ParamRef, ...] = ()
     module_fqn: str = ""
     """Innermost module the op ran in (from ``nn_module_stack``); ``""`` for the root."""
@@ -87,6 +89,9 @@ class OpGraph:
     """FQNs of the transformer layer modules, in execution order."""
     traced_layers: int = 0
     """Layers torch.export actually traced (fewer than ``len(layer_fqns)`` when the shortcut expanded them)."""
+    module_kinds: tuple[tuple[str, str], ...] = ()
+    """(module FQN, ``linear`` / ``embedding``) for the model's ``nn.Linear`` / ``nn.Embedding`` modules (subclasses
+    included): the modules DTensor's ColwiseParallel / RowwiseParallel accept. Empty when not recorded."""
     unsupported: tuple[tuple[str, int], ...] = ()
     """Coverage: ops with no FLOP rule, (op name, count) in the expanded graph."""
     trace_time_s: float = 0.0

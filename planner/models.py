@@ -2,7 +2,8 @@
 
 ``build_model(spec, batch=, seq=)`` returns a ``ModelBundle``: the ``nn.Module`` (built on the meta device by
 default, so a 405B model costs no memory), example inputs of shape ``(batch, seq)`` and the ``ModelDims`` that
-the cost model and the analytic checks need.
+the cost model and the analytic checks need. For user code the dims are what is known before tracing (layers,
+token seq, the spec's ``heads=``); ``planner.dims.complete_dims`` fills the rest from the traced graph.
 
 Spec forms (see ``list_presets()`` for the preset names):
 
@@ -13,8 +14,9 @@ Spec forms (see ``list_presets()`` for the preset names):
   ``mixtral:layers=..,hidden=..,ffn=..,heads=..,kv_heads=..,vocab=..,seq=..,experts=8,topk=2``;
 - a path to a Hugging Face ``config.json`` (or a directory holding one): the causal-LM class of its
   ``model_type``, random init, nothing downloaded;
-- ``module.path:function``: user code returning ``(model, example_inputs)``; the function may accept
-  ``batch`` and ``seq`` keyword arguments.
+- ``module.path:function[:key=value,...]``: user code returning ``(model, example_inputs)``, imported from the
+  current directory and called with meta as the default device (``planner.user_code``); it may accept ``batch``,
+  ``seq`` and the spec's keys as keyword arguments.
 
 GPT-family models follow Megatron / GPT-2 (learned positions, GeLU, 4h MLP, pre-LayerNorm, tied embeddings) and
 are built as ``transformers.OPTForCausalLM`` so every projection is an ``nn.Linear`` with separate q/k/v (what
@@ -25,40 +27,18 @@ Every problem with a spec raises ``ConfigError`` naming the value and the allowe
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import json
 import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 from costmodel.errors import ConfigError, UnsupportedModelError
+from planner.dims import Arch, ModelDims
+from planner.user_code import build_user_model, looks_like_user_spec
 
 log = logging.getLogger(__name__)
-
-Arch = Literal["gpt", "llama", "mixtral", "hf", "custom"]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ModelDims:
-    """Transformer dimensions (0 where unknown, e.g. for user code)."""
-
-    arch: Arch
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    ffn_hidden: int
-    vocab: int
-    seq: int
-    experts: int = 0
-    topk: int = 0
-    glu: bool = False
-    """Gated MLP (SwiGLU: gate, up and down matrices) rather than GeLU (up and down)."""
-    tied_embeddings: bool = False
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelBundle:
@@ -179,7 +159,7 @@ def _resolve(spec: str) -> tuple[ModelDims | None, Callable | None]:
         return _parse_inline(head, spec.split(":", 1)[1])
     if spec.endswith(".json") or Path(spec).is_dir():
         return _hf_config_dims(spec)
-    if ":" in spec and _looks_like_module_path(spec):
+    if ":" in spec and looks_like_user_spec(spec):
         return None, None
     raise ConfigError(
         f"unknown model spec {spec!r}: use a preset ({_preset_list()}), inline dims "
@@ -195,11 +175,6 @@ def _preset_list() -> str:
 def _check_positive(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name}={value!r} must be a positive integer")
-
-
-def _looks_like_module_path(spec: str) -> bool:
-    mod, _, fn = spec.partition(":")
-    return bool(mod) and bool(fn) and all(p.isidentifier() for p in mod.split(".")) and fn.isidentifier()
 
 
 def _on_device(fn: Callable[[], Any], device: str) -> Any:
@@ -398,26 +373,22 @@ def _hf_config_dims(spec: str) -> tuple[ModelDims, Callable]:
 
 
 def _build_user(spec: str, *, batch: int, seq: int | None, device: str) -> ModelBundle:
-    mod_name, _, fn_name = spec.partition(":")
-    try:
-        mod = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise ConfigError(f"model spec {spec!r}: cannot import module {mod_name!r} ({e})") from None
-    fn = getattr(mod, fn_name, None)
-    if not callable(fn):
-        raise ConfigError(f"model spec {spec!r}: module {mod_name!r} has no function {fn_name!r}")
-    params = inspect.signature(fn).parameters
-    kwargs = {k: v for k, v in (("batch", batch), ("seq", seq)) if k in params and v is not None}
-    result = fn(**kwargs)
-    if not (isinstance(result, tuple) and len(result) == 2):
-        raise ConfigError(f"{spec} must return (model, example_inputs), got {type(result).__name__}")
-    model, inputs = result
-    inputs = inputs if isinstance(inputs, tuple) else (inputs,)
-    first = next((x for x in inputs if hasattr(x, "shape")), None)
-    seq_len = int(first.shape[1]) if first is not None and len(first.shape) >= 2 else 0
-    dims = ModelDims(arch="custom", layers=_count_layers(model), hidden=0, heads=0, kv_heads=0, ffn_hidden=0,
-                     vocab=0, seq=seq_len)
-    return ModelBundle(name=spec, model=model, example_inputs=inputs, dims=dims)
+    built = build_user_model(spec, batch=batch, seq=seq, device=device)
+    heads = int(built.hints.get("heads", 0))
+    dims = ModelDims(arch="custom", layers=_count_layers(built.model), hidden=0, heads=heads,
+                     kv_heads=int(built.hints.get("kv_heads", heads)), ffn_hidden=0, vocab=0,
+                     seq=_token_seq(built.example_inputs))
+    return ModelBundle(name=spec, model=built.model, example_inputs=built.example_inputs, dims=dims)
+
+
+def _token_seq(inputs: tuple) -> int:
+    """S of the first (batch, seq) integer input; 0 (known only after tracing) when there is none."""
+    import torch
+
+    for x in inputs:
+        if isinstance(x, torch.Tensor) and x.dim() == 2 and not x.dtype.is_floating_point:
+            return int(x.shape[1])
+    return 0
 
 
 def _count_layers(model: Any) -> int:

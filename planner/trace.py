@@ -6,7 +6,7 @@ its shapes, dtypes, FLOP rule (``planner.flops``), bytes, the parameters it read
 
 The depth shortcut (why a 126-layer model traces in seconds): torch.export costs ~10 ms per op, and a
 transformer's layers are identical. Unless ``full_depth=True``, ``trace`` finds the model's layer list (the
-longest ``nn.ModuleList``), keeps the first two layers of every distinct layer structure (class, parameter
+``nn.ModuleList`` holding the most parameters, ``find_layer_list``), keeps the first two layers of every distinct layer structure (class, parameter
 names / shapes / dtypes, ``attention_type``): 2 layers for Llama 3 405B, 4 for an alternating pattern. It
 swaps that shorter list into the model for the duration of the export (restored in ``finally``), and expands
 the traced layers back to the full depth: layer ``i`` gets a copy of the second traced layer of its
@@ -17,6 +17,10 @@ stream between layers must have the same arity everywhere; otherwise ``trace`` f
 full depth. ``OpGraph.traced_layers`` says how many layers were exported. The totals are exact: tests check
 ``graph.params`` against ``sum(p.numel())`` of the full model and the FLOPs against the analytic formulas.
 
+Blocks: ops of a layer's modules belong to that layer, ops before the first layer to ``embedding``, after the
+last to ``head``; ops the root module runs between two layers count to the layer before them, so blocks are
+contiguous and in execution order. ``cast_floating`` casts float example inputs to the model's dtype.
+
 Attention masks: HF causal LMs pass an explicit (Sq, Sk) boolean mask to sdpa; with ``causal_mask=True``
 (default) an attention with a mask is counted as causal in ``causal_fraction`` (dense counts stay).
 """
@@ -24,6 +28,7 @@ Attention masks: HF causal LMs pass an explicit (Sq, Sk) boolean mask to sdpa; w
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import re
 import time
@@ -35,6 +40,7 @@ from typing import Any, Iterator
 from costmodel.errors import UnsupportedModelError
 from planner.flops import op_cost, op_name
 from planner.graph import Edge, OpGraph, OpNode, op_signature
+from planner.saved import saved_bytes_by_node
 
 log = logging.getLogger(__name__)
 
@@ -42,17 +48,30 @@ _GATHER_OPS = frozenset({"index", "index_select", "gather", "_unsafe_index"})
 
 
 def find_layer_list(model: Any) -> tuple[str, Any] | None:
-    """(FQN, ModuleList) of the model's transformer layers: the longest ``nn.ModuleList`` (ties: the one with
-    fewer module classes, then the first); None when the model has no ModuleList of two or more modules."""
+    """(FQN, ModuleList) of the model's repeated layers: of the ``nn.ModuleList`` s of two or more modules, the
+    one holding the most parameters (the outermost stack: not a list of attention heads or experts inside a
+    layer), then the longest, then the one with fewer module classes, then the first. ``nn.TransformerEncoder``
+    keeps its layers in ``.layers``. None when the model has no such list."""
     import torch.nn as nn
 
     best, best_key = None, None
     for fqn, mod in model.named_modules():
         if isinstance(mod, nn.ModuleList) and len(mod) >= 2:
-            key = (len(mod), -len({type(m) for m in mod}))
+            params = sum(p.numel() for p in mod.parameters())
+            key = (params, len(mod), -len({type(m) for m in mod}))
             if best_key is None or key > best_key:
                 best, best_key = (fqn, mod), key
     return best
+
+
+def cast_floating(example_inputs: tuple, dtype: Any) -> tuple:
+    """``example_inputs`` with floating-point tensors cast to ``dtype`` (the model's training dtype); integer
+    tensors (token ids) and non-tensors as they are."""
+    import torch
+    from torch.utils import _pytree as pytree
+
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t,
+                                tuple(example_inputs))
 
 
 def trace(model: Any, example_inputs: tuple, *, full_depth: bool = False, causal_mask: bool = True) -> OpGraph:
@@ -64,11 +83,25 @@ def trace(model: Any, example_inputs: tuple, *, full_depth: bool = False, causal
         graph = _trace_shortcut(model, example_inputs, found, causal_mask=causal_mask)
     if graph is None:
         layer_fqns = tuple(f"{found[0]}.{i}" for i in range(len(found[1]))) if found else ()
-        ep = _export(model, example_inputs)
+        ep = export_model(model, example_inputs)
         graph = _graph_from_export(ep, layer_parent=found[0] if found else None, layer_fqns=layer_fqns,
                                    causal_mask=causal_mask)
     unsupported = tuple(sorted(Counter(op_name_of(n) for n in graph.nodes if not n.covered).items()))
-    return replace(graph, unsupported=unsupported, trace_time_s=time.perf_counter() - t0)
+    return replace(graph, unsupported=unsupported, module_kinds=module_kinds(model),
+                   trace_time_s=time.perf_counter() - t0)
+
+
+def module_kinds(model: Any) -> tuple[tuple[str, str], ...]:
+    """(FQN, ``linear`` / ``embedding``) of the ``nn.Linear`` / ``nn.Embedding`` modules (``OpGraph.module_kinds``)."""
+    import torch.nn as nn
+
+    kinds = []
+    for fqn, mod in model.named_modules():
+        if isinstance(mod, nn.Linear):
+            kinds.append((fqn, "linear"))
+        elif isinstance(mod, nn.Embedding):
+            kinds.append((fqn, "embedding"))
+    return tuple(kinds)
 
 
 def op_name_of(node: OpNode) -> str:
@@ -78,13 +111,46 @@ def op_name_of(node: OpNode) -> str:
 # --- export and its errors ----------------------------------------------------------------------------------
 
 
-def _export(model: Any, example_inputs: tuple) -> Any:
+def export_model(model: Any, example_inputs: tuple) -> Any:
+    """``torch.export`` (non-strict) of ``model`` as the tracer runs it (eager attention masks), typed errors."""
     import torch
 
+    err = io.StringIO()
     try:
-        return torch.export.export(model, tuple(example_inputs), strict=False)
+        with _eager_causal_masks(), contextlib.redirect_stderr(err):
+            return torch.export.export(model, tuple(example_inputs), strict=False)
     except Exception as e:  # noqa: BLE001 - every export failure becomes one typed error
+        # torch.export prints the partial graph of a failed export to stderr: the error below says where
+        partial = str(getattr(e, "partial_fx_graph", "") or "")
+        err = io.StringIO(err.getvalue().replace(partial, "") if partial else err.getvalue())
         raise UnsupportedModelError(_explain_export_failure(model, e)) from None
+    finally:
+        if err.getvalue().strip():  # warnings torch printed while exporting
+            log.warning("torch.export: %s", err.getvalue().strip())
+
+
+@contextlib.contextmanager
+def _eager_causal_masks() -> Iterator[None]:
+    """Trace the attention the training runtime runs. Under torch.export, transformers materialises the causal
+    mask (an exported model may serve other shapes, and packed sequences cannot be ruled out without reading the
+    position ids) and then repeats K / V for grouped-query attention; eagerly, unpacked full-length training
+    sequences pass no mask: ``is_causal=True`` with ``enable_gqa`` (flash kernels, K / V not repeated). The
+    saved activations and the attention kernel differ, so for the duration of the export transformers' mask
+    code is told what eager execution finds (``transformers.masking_utils``: not exporting, no packing)."""
+    try:
+        import transformers.masking_utils as masking
+    except ImportError:  # no transformers: nothing to undo
+        yield
+        return
+    eager = {"is_torchdynamo_exporting": lambda: False, "find_packed_sequence_indices": lambda position_ids: None}
+    original = {name: getattr(masking, name) for name in eager if hasattr(masking, name)}
+    for name in original:
+        setattr(masking, name, eager[name])
+    try:
+        yield
+    finally:
+        for name, fn in original.items():
+            setattr(masking, name, fn)
 
 
 def _explain_export_failure(model: Any, exc: BaseException) -> str:
@@ -98,21 +164,28 @@ def _explain_export_failure(model: Any, exc: BaseException) -> str:
         where = f" at {user.group(1)}:{user.group(2)}"
     op = re.search(r"(aten\.\w+(?:\.\w+)?)", text)
     op_part = f" in op {op.group(1)}" if op else ""
+    hf = type(model).__module__.startswith("transformers")
     return (f"torch.export could not trace {type(model).__name__}{op_part}{where}: {first}. "
-            f"Suggestion: {_suggestion(text)}")
+            f"Suggestion: {_suggestion(text, hf=hf)}")
 
 
-def _suggestion(text: str) -> str:
+def _suggestion(text: str, *, hf: bool) -> str:
     low = text.lower()
+    if ("dtype" in low or "type" in low) and ("should be the same" in low or "expected" in low) and (
+            "float" in low or "half" in low or "bfloat16" in low):
+        return ("cast float example inputs to the model's dtype (planner.trace.cast_floating), or build them "
+                "with the dtype of the parameters")
     if "grouped_mm" in low or "expert" in low or "histc" in low:
         return 'build MoE models with experts_implementation="batched_mm" (transformers)'
-    if "flash" in low or "flex" in low or "attention" in low:
+    if hf and ("flash" in low or "flex" in low or "attention" in low):
         return 'build the model with attn_implementation="sdpa"'
     if "data-dependent" in low or "guardondatadependent" in low or "item()" in low or "nonzero" in low:
         return ("remove data-dependent control flow (Python if on tensor values, .item(), nonzero) from forward, "
                 "or guard it with torch._check; meta tensors have no values")
-    return ("check that model(*example_inputs) runs on meta tensors; for Hugging Face models pass "
-            'attn_implementation="sdpa" and use_cache=False')
+    if hf:
+        return ("check that model(*example_inputs) runs on meta tensors; for Hugging Face models pass "
+                'attn_implementation="sdpa" and use_cache=False')
+    return "check that model(*example_inputs) runs on meta tensors (no .item(), no data-dependent Python control flow)"
 
 
 # --- the depth shortcut -------------------------------------------------------------------------------------
@@ -160,7 +233,7 @@ def _trace_shortcut(model: Any, example_inputs: tuple, found: tuple[str, Any], *
     parent, layers = found
     keep, rep, keys = _representatives(layers)
     with _swapped_layers(model, parent, keep):
-        ep = _export(model, example_inputs)
+        ep = export_model(model, example_inputs)
     reduced_fqns = tuple(f"{parent}.{j}" for j in range(len(keep)))
     reduced = _graph_from_export(ep, layer_parent=parent, layer_fqns=reduced_fqns, causal_mask=causal_mask)
     full_fqns = tuple(f"{parent}.{i}" for i in range(len(layers)))
@@ -296,10 +369,11 @@ def _graph_from_export(ep: Any, *, layer_parent: str | None, layer_fqns: tuple[s
         fqn = param_of.get(ph.name)
         grad[ph.name] = bool(fqn is not None and getattr(state.get(fqn), "requires_grad", True))
     layer_set = set(layer_fqns)
+    saved = saved_bytes_by_node(ep) or {}
     nodes: list[OpNode] = []
     edges: dict[tuple[str, str], float] = {}
     param_sizes: dict[str, int] = {}
-    seen_layer = False
+    last_layer, pending = "", []  # ops outside the layers since the last layer op (head, or between layers)
     for fx in ep.graph.nodes:
         if fx.op != "call_function":
             continue
@@ -307,10 +381,15 @@ def _graph_from_export(ep: Any, *, layer_parent: str | None, layer_fqns: tuple[s
                           torch=torch)
         block = _layer_of(node.module_fqn, layer_parent, layer_set)
         if block:
-            seen_layer = True
+            for i in pending:  # the root ran them between two layers: they count to the layer before
+                nodes[i] = replace(nodes[i], block=last_layer)
+            last_layer, pending = block, []
+        elif last_layer:
+            block = "head"
+            pending.append(len(nodes))
         else:
-            block = "head" if seen_layer else "embedding"
-        nodes.append(replace(node, block=block))
+            block = "embedding"
+        nodes.append(replace(node, block=block, saved_bytes=saved.get(fx.name, 0.0) if saved else None))
         for f, shape, _ in node.params:
             param_sizes.setdefault(f, _numel(shape))
         for src in _tensor_inputs(fx):
@@ -359,6 +438,10 @@ def _make_node(fx: Any, *, param_of: dict, grad: dict, eff_bytes: dict, causal_m
         grads.append(bool(hasattr(a, "name") and grad.get(a.name, False)))
     outs = _vals(fx.meta.get("val"))
     kwargs = {k: v for k, v in fx.kwargs.items() if isinstance(v, (bool, int, float))}
+    schema = getattr(fx.target, "_schema", None)
+    for arg, value in zip(schema.arguments if schema is not None else (), fx.args):
+        if isinstance(value, (bool, int, float)):  # positional scalars (sdpa's is_causal) by their schema name
+            kwargs.setdefault(arg.name, value)
     cost = op_cost(name, in_shapes=in_shapes, out_shapes=[tuple(o.shape) for o in outs], grads=grads,
                    kwargs=kwargs, causal_mask=causal_mask)
     inputs = _tensor_inputs(fx)

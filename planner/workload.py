@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from costmodel.errors import ConfigError
 from costmodel.workload import LayerWork, Workload
+from planner.dims import complete_dims
 from planner.graph import Block, BlockGroup, OpGraph, find_block_groups, find_blocks
 from planner.models import ModelDims, build_model
 from planner.plan import model_fingerprint
@@ -104,21 +105,24 @@ class TracedSpec:
 
 def trace_spec(spec: str, *, batch: int = 1, seq: int | None = None) -> TracedSpec:
     """Build ``spec`` on meta, fingerprint it (as built), cast it to bf16 (meta: free) and trace it."""
-    from planner.trace import trace
+    from planner.trace import cast_floating, trace
 
     bundle = build_model(spec, batch=batch, seq=seq)
     model = bundle.model
     named = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
     params = sum(_numel(s) for _, s, _ in named)
+    inputs = bundle.example_inputs
     if named and all(p.device.type == "meta" for p in model.parameters()):
         import torch
 
         model.to(torch.bfloat16)  # meta: no memory; the graph then carries bf16 activation bytes
-    graph = trace(model, bundle.example_inputs)
+        inputs = cast_floating(inputs, torch.bfloat16)  # float inputs (images, features) with the model
+    graph = trace(model, inputs)
+    dims = complete_dims(bundle.dims, graph)  # user code: seq (and what else the graph shows) from the graph
     if graph.params != params:
         log.warning("%s: traced ops use %d parameters of %d (the rest is unused in forward)",
                     spec, graph.params, params)
-    return TracedSpec(dims=bundle.dims, graph=graph, fingerprint=model_fingerprint(named), params=params)
+    return TracedSpec(dims=dims, graph=graph, fingerprint=model_fingerprint(named), params=params)
 
 
 @functools.lru_cache(maxsize=16)

@@ -119,3 +119,22 @@ def test_traced_llama_blocks():
     assert len(c.nodes) < len(g.nodes) / 2
     assert c.model_flops == g.model_flops
     assert [x.signature for x in find_blocks(c)][1:5] == [find_blocks(c)[1].signature] * 4
+
+
+@pytest.mark.parametrize("spec,layers,prefix", [
+    ("tests.models.gpt:small", 4, "blocks"), ("tests.models.mlp:tiny", 4, "blocks"),
+    ("tests.models.vit:tiny", 4, "encoder.layers"), ("tests.models.cnn:small", 4, "blocks"),
+])
+def test_hand_written_model_blocks_in_order(spec, layers, prefix):
+    from planner.models import build_model
+    from planner.trace import trace
+
+    b = build_model(spec)
+    g = trace(b.model, b.example_inputs)
+    blocks = find_blocks(g)
+    names = [f"{prefix}.{i}" for i in range(layers)]
+    assert [x.name for x in blocks] == ["embedding", *names, "head"]
+    assert [x.kind for x in blocks] == ["embedding", *["transformer"] * layers, "head"]
+    groups = find_block_groups(blocks)
+    assert [gr.members for gr in groups] == [("embedding",), tuple(names), ("head",)]
+    assert sum(x.params for x in blocks) == sum(p.numel() for p in b.model.parameters())

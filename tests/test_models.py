@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from costmodel.errors import ConfigError
+from costmodel.errors import ConfigError, UnsupportedModelError
 from planner.models import build_model, list_presets, model_dims
 
 
@@ -139,7 +139,7 @@ def test_inline_specs():
     ("llama:layers=2,hidden=64,ffn=96,heads=4,kv_heads=3", "kv_heads"),
     ("mixtral:layers=2,hidden=64,ffn=96,heads=4,experts=2,topk=3", "topk=3"),
     ("/no/such/config.json", "cannot read"),
-    ("no_such_module_xyz:make", "cannot import"),
+    ("no_such_module_xyz:make", "no module 'no_such_module_xyz'"),
     ("", "non-empty"),
 ])
 def test_bad_specs_raise_config_error(spec, needle):
@@ -169,21 +169,107 @@ def test_hf_config_json(tmp_path):
         build_model(str(bad))
 
 
-def test_user_function_spec(tmp_path, monkeypatch):
-    (tmp_path / "my_models_t.py").write_text(textwrap.dedent("""
-        import torch, torch.nn as nn
-        def make(batch=1, seq=8):
-            with torch.device("meta"):
-                m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
-            return m, (torch.zeros(batch, seq, 16, device="meta"),)
-        NOT_CALLABLE = 3
-    """))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    b = build_model("my_models_t:make", batch=2, seq=5)
-    assert b.dims.arch == "custom" and b.dims.seq == 5
+_USER_CODE = textwrap.dedent("""
+    import torch, torch.nn as nn
+    import torch.nn.functional as F
+
+    def make(batch=1, seq=8):
+        m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+        return m, (torch.zeros(batch, seq, 16),)
+
+    def fixed():  # no batch / seq: inputs on CPU, batch 4
+        return nn.Linear(16, 8), torch.zeros(4, 16)
+
+    def tokens():
+        return nn.Embedding(10, 4), (torch.zeros(2, 7, dtype=torch.long),)
+
+    def huge():  # 8.6B parameters: 34 GB in fp32 if materialised
+        return nn.Sequential(nn.Linear(65536, 65536), nn.Linear(65536, 65536)), torch.zeros(1, 65536)
+
+    def sized(width=8, depth=1):
+        return nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)]), torch.zeros(1, width)
+
+    def not_a_pair():
+        return nn.Linear(2, 2)
+
+    def not_a_module():
+        return "model", torch.zeros(1)
+
+    def no_tensor():
+        return nn.Linear(2, 2), (3, 4)
+
+    def broken():
+        return nn.Linear(2, 2, bias=undefined_name)
+
+    NOT_CALLABLE = 3
+""")
+
+
+@pytest.fixture
+def user_dir(tmp_path, monkeypatch):
+    """A directory holding ``user_models_t.py``, made the current directory (and nothing else on sys.path)."""
+    (tmp_path / "user_models_t.py").write_text(_USER_CODE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd(), str(tmp_path))])
+    yield tmp_path
+    sys.modules.pop("user_models_t", None)
+
+
+def test_user_function_imports_from_the_current_directory_on_meta(user_dir):
+    b = build_model("user_models_t:make", batch=2, seq=5)
+    assert b.dims.arch == "custom"
     assert b.example_inputs[0].shape == (2, 5, 16)
-    with pytest.raises(ConfigError, match="no function"):
-        build_model("my_models_t:missing")
-    with pytest.raises(ConfigError, match="no function"):
-        build_model("my_models_t:NOT_CALLABLE")
-    sys.modules.pop("my_models_t", None)
+    assert {p.device.type for p in b.model.parameters()} == {"meta"}
+    assert b.example_inputs[0].device.type == "meta"
+    assert str(user_dir) not in sys.path  # the current directory was on sys.path only for the import
+    import torch
+
+    assert torch.empty(1).device.type == "cpu"  # the default device is restored
+
+
+def test_user_inputs_on_cpu_move_to_meta_and_take_the_batch(user_dir):
+    b = build_model("user_models_t:fixed", batch=3)
+    assert b.example_inputs[0].device.type == "meta" and b.example_inputs[0].shape == (3, 16)
+    t = build_model("user_models_t:tokens", batch=1, seq=9)
+    assert t.example_inputs[0].shape == (1, 9) and t.dims.seq == 9  # token input: seq = S
+    assert build_model("user_models_t:tokens").dims.seq == 7
+
+
+def test_user_spec_options_are_keyword_arguments(user_dir):
+    b = build_model("user_models_t:sized:width=4,depth=3")
+    assert sum(p.numel() for p in b.model.parameters()) == 3 * (4 * 4 + 4)
+    with pytest.raises(ConfigError, match="takes no argument 'colour'; its arguments: width, depth"):
+        build_model("user_models_t:sized:colour=3")
+    with pytest.raises(ConfigError, match="not key=value"):
+        build_model("user_models_t:sized:width")
+
+
+def test_huge_user_model_allocates_nothing(user_dir):
+    import psutil
+
+    proc = psutil.Process()
+    before = proc.memory_info().rss
+    b = build_model("user_models_t:huge")
+    after = proc.memory_info().rss
+    assert sum(p.numel() for p in b.model.parameters()) == 2 * (65536 * 65536 + 65536)  # 8.59e9
+    assert {p.device.type for p in b.model.parameters()} == {"meta"}
+    assert after - before < 300 * 2**20
+
+
+@pytest.mark.parametrize("spec,error,needles", [
+    ("user_models_nope:make", ConfigError, ["no module 'user_models_nope'", "user_models_nope.py",
+                                            "current directory"]),
+    ("user_models_t:missing", ConfigError, ["no function 'missing'", "its functions:", "make", "user_models_t.py"]),
+    ("user_models_t:NOT_CALLABLE", ConfigError, ["no function 'NOT_CALLABLE'"]),
+    ("user_models_t:not_a_pair", ConfigError, ["returned a Linear", "(model, example_inputs)"]),
+    ("user_models_t:not_a_module", ConfigError, ["is a str, not an nn.Module"]),
+    ("user_models_t:no_tensor", ConfigError, ["holding no tensor"]),
+    ("user_models_t:broken", UnsupportedModelError, ["broken() raised NameError", "user_models_t.py:",
+                                                     "undefined_name"]),
+])
+def test_user_spec_errors_name_the_problem(user_dir, spec, error, needles):
+    with pytest.raises(error) as e:
+        build_model(spec)
+    for needle in needles:
+        assert needle in str(e.value)
+    assert "Traceback" not in str(e.value)

@@ -4,6 +4,8 @@ typed errors for untraceable models, the ``autopar trace`` output."""
 from __future__ import annotations
 
 import json
+import sys
+import textwrap
 from collections import Counter
 
 import pytest
@@ -286,3 +288,176 @@ def test_moe_expert_implementations_count_the_same(impl):
     fwd = l * (2 * s * h * (h + 2 * 2 * 16 + h) + 2 * s * h * E + experts + attn) + 2 * s * h * 100
     assert g.flops_fwd == pytest.approx(fwd, rel=1e-9)
     assert g.unsupported == ()
+
+
+# --- hand-written models (tests/models) -----------------------------------------------------------------------
+
+USER_SPECS = ["tests.models.gpt:small", "tests.models.mlp:tiny", "tests.models.vit:tiny", "tests.models.cnn:small"]
+
+
+@pytest.mark.parametrize("spec", USER_SPECS)
+def test_user_models_shortcut_equals_full_depth(spec):
+    b = build_model(spec)
+    g = _compare_short_full(b.model, b.example_inputs[0])
+    assert g.traced_layers == 2 and len(g.layer_fqns) == 4
+    assert g.params == sum(p.numel() for p in b.model.parameters())
+
+
+@pytest.mark.parametrize("spec,seq", [("tests.models.gpt:small", 128), ("tests.models.vit:tiny", 17),
+                                      ("tests.models.mlp:tiny", 1), ("tests.models.cnn:small", 1)])
+def test_seq_is_tokens_per_sample_from_the_graph(spec, seq):
+    from planner.workload import trace_spec
+
+    t = trace_spec(spec)
+    assert t.dims.seq == seq
+    has_attention = any(n.op_class == "attention" for n in t.graph.nodes)
+    assert has_attention == spec.startswith(("tests.models.gpt", "tests.models.vit"))
+
+
+def test_float_inputs_are_cast_with_the_model():
+    """trace_spec casts the meta model to bf16; the ViT's float images must follow (it failed on the conv)."""
+    from planner.workload import trace_spec
+
+    t = trace_spec("tests.models.vit:tiny")
+    conv = next(n for n in t.graph.nodes if n.target.startswith("aten.conv2d"))
+    assert set(conv.input_dtypes) == {"bfloat16"}
+    b = build_model("tests.models.vit:tiny")
+    b.model.to(torch.bfloat16)  # without the cast: a dtype error, and the hint says so
+    with pytest.raises(UnsupportedModelError) as e:
+        trace(b.model, b.example_inputs)
+    msg = str(e.value)
+    assert "vit.py:" in msg and "cast float example inputs" in msg and "attn_implementation" not in msg
+
+
+def test_positional_is_causal_counts_causal_attention():
+    b = build_model("tests.models.gpt:small")
+    g = trace(b.model, b.example_inputs)
+    attn = [n for n in g.nodes if n.op_class == "attention"]
+    assert len(attn) == 4 and all(n.causal_fraction == pytest.approx(causal_fraction(128, 128)) for n in attn)
+
+
+class _Head(nn.Module):
+    def __init__(self, h: int, hd: int):
+        super().__init__()
+        self.q = nn.Linear(h, hd)
+
+    def forward(self, x):
+        return self.q(x)
+
+
+class _PerHeadLayer(nn.Module):
+    """minGPT-style: a ModuleList of 8 per-head projections inside each of 3 layers."""
+
+    def __init__(self, h: int = 32, heads: int = 8):
+        super().__init__()
+        self.heads = nn.ModuleList(_Head(h, h // heads) for _ in range(heads))
+        self.proj = nn.Linear(h, h)
+
+    def forward(self, x):
+        return x + self.proj(torch.cat([hd(x) for hd in self.heads], dim=-1))
+
+
+class _Between(nn.Module):
+    """Layers with a root op between them (a scale after each layer but the last)."""
+
+    def __init__(self, n: int = 4):
+        super().__init__()
+        self.layers = nn.ModuleList(_PerHeadLayer() for _ in range(n))
+        self.out = nn.Linear(32, 4)
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = x * 0.5
+        return self.out(x)
+
+
+def test_layer_list_is_the_stack_not_the_per_head_list():
+    from planner.trace import find_layer_list
+
+    with torch.device("meta"):
+        model = _Between(3)
+    assert find_layer_list(model)[0] == "layers"  # the 8-long per-head lists hold fewer parameters
+
+
+def test_blocks_in_execution_order_with_ops_between_layers():
+    from planner.graph import find_blocks
+
+    with torch.device("meta"):
+        model = _Between(4)
+    g = trace(model, (torch.zeros(2, 5, 32, device="meta"),))
+    blocks = find_blocks(g)
+    assert [b.name for b in blocks] == ["layers.0", "layers.1", "layers.2", "layers.3", "head"]
+    order = [n.block for n in g.nodes]
+    assert order == sorted(order, key=[b.name for b in blocks].index)  # contiguous, in execution order
+    muls = [n.block for n in g.nodes if n.target.startswith("aten.mul") and not n.module_fqn]
+    assert muls == ["layers.0", "layers.1", "layers.2"]  # each root scale counts to the layer before it
+
+
+def test_cli_trace_user_models(capsys):
+    from cli.main import main
+
+    assert main(["trace", "--model", "tests.models.vit:tiny"]) == 0
+    text = capsys.readouterr().out
+    assert "seq 17" in text and "encoder.layers.0-3" in text and "4 identical blocks" in text
+    assert "causal; attention 0.0002959 GFLOP forward" in text  # 4 layers x 4 * 17^2 * 64 (QK^T and AV)
+    assert main(["trace", "--model", "tests.models.mlp:tiny", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["seq"] == 1 and out["attention_flops_fwd"] == 0
+    assert [b["name"] for b in out["blocks"]] == ["embedding", "blocks.0-3", "head"]
+    assert main(["trace", "--model", "tests.models.mlp:tiny"]) == 0
+    assert "no attention ops" in capsys.readouterr().out
+
+
+def test_untraceable_user_model_names_the_line(tmp_path, monkeypatch):
+    from planner.workload import trace_spec
+
+    (tmp_path / "bad_models_t.py").write_text(textwrap.dedent("""
+        import torch, torch.nn as nn
+
+        class Bad(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(8, 8)
+
+            def forward(self, x):
+                y = self.lin(x)
+                return y[: int(y.sum().item())]  # data-dependent size
+
+        def make():
+            return Bad(), torch.zeros(2, 8)
+    """))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UnsupportedModelError) as e:
+        trace_spec("bad_models_t:make")
+    msg = str(e.value)
+    assert "torch.export could not trace Bad" in msg and "bad_models_t.py:11" in msg
+    assert "Suggestion:" in msg and "Traceback" not in msg
+    sys.modules.pop("bad_models_t", None)
+
+
+def test_hand_written_gpt_flops_by_hand():
+    """tests.models.gpt:small (l=4, h=256, ffn=1024, V=1000, s=128, tied head), traced at batch 2."""
+    b = build_model("tests.models.gpt:small", batch=2)
+    g = trace(b.model, b.example_inputs)
+    B, l, h, ffn, V, s = 2, 4, 256, 1024, 1000, 128
+    dense = B * (l * (2 * s * h * 4 * h + 2 * 2 * s * h * ffn) + 2 * s * h * V)  # q/k/v/o, fc1/fc2, head
+    attn = B * l * 4 * s * s * h  # QK^T and AV, dense
+    assert g.flops_fwd == pytest.approx(dense + attn, rel=1e-12)
+    assert g.flops_bwd == pytest.approx(2 * dense + 2.5 * attn, rel=1e-12)  # flash backward recomputes QK^T
+    assert g.model_flops == pytest.approx(3 * (dense + attn), rel=1e-12)
+    assert g.model_flops_causal == pytest.approx(3 * dense + 3 * attn * (s + 1) / (2 * s), rel=1e-12)
+    assert g.params == 3_448_320
+
+
+def test_hand_written_mlp_flops_by_hand():
+    """tests.models.mlp:tiny (64 -> 128, 4 blocks 128 -> 512 -> 128, 128 -> 10), traced at batch 3: the input
+    projection reads the raw features, so its backward is the weight gradient alone."""
+    b = build_model("tests.models.mlp:tiny", batch=3)
+    g = trace(b.model, b.example_inputs)
+    B = 3
+    first, blocks, out = 2 * B * 64 * 128, 4 * 2 * (2 * B * 128 * 512), 2 * B * 128 * 10
+    assert g.flops_fwd == first + blocks + out
+    assert g.flops_bwd == first + 2 * (blocks + out)
+    assert not any(n.op_class == "attention" for n in g.nodes)

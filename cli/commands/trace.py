@@ -41,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
         "flops_bwd": graph.flops_bwd,
         "model_flops": graph.model_flops,
         "model_flops_causal": graph.model_flops_causal,
+        "attention_flops_fwd": sum(b.attn_flops_fwd for b in blocks),
         "num_nodes": len(graph.nodes),
         "num_nodes_coarse": len(coarsen(graph).nodes),
         "num_layers": len(graph.layer_fqns),
@@ -108,8 +109,11 @@ def _print_table(s: dict, runs: list[list]) -> None:
     print("-" * len(head))
     print(f"{'total':<28} {'':>4} {s['num_nodes']:>5} {s['params']:>14,} {s['flops_fwd'] / 1e9:>12.2f} "
           f"{s['flops_bwd'] / 1e9:>12.2f}")
-    print(f"model FLOPs (fwd+bwd, no recompute): {s['model_flops']:.4g} dense attention, "
-          f"{s['model_flops_causal']:.4g} causal")
+    if s["attention_flops_fwd"]:
+        print(f"model FLOPs (fwd+bwd, no recompute): {s['model_flops']:.4g} dense attention, "
+              f"{s['model_flops_causal']:.4g} causal; attention {s['attention_flops_fwd'] / 1e9:.4g} GFLOP forward")
+    else:
+        print(f"model FLOPs (fwd+bwd, no recompute): {s['model_flops']:.4g}; no attention ops")
     print(f"ops: {s['num_nodes']} aten ops, {s['num_nodes_coarse']} after folding views / pointwise ops")
     if s["unsupported_ops"]:
         print("coverage: ops with no FLOP rule (counted as 0 FLOPs):")

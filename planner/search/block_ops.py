@@ -4,12 +4,17 @@ Rules, applied to the block's aten ops in execution order (the graph from ``plan
 ``planner.graph.coarsen``: coarsening folds residual adds and norm internals into their producers, which erases
 the structure the layouts are chosen on):
 
-- a matmul that uses a 2-D weight is a linear of the weight's module (shardable only if it is an ``nn.Linear``,
-  ``aten.linear``: GPT-2's Conv1D is not); linears that read the same tensor form
-  one group op (q/k/v, gate/up: Megatron's fused projections); a linear whose output width is the number of
-  experts in the block is the MoE router;
-- attention, norm (with parameters), embedding ops are their own ops; an op with a >= 3-D weight (grouped expert
-  GEMMs) is the experts op;
+- a matmul that uses a 2-D weight is a linear of its module. It is shardable (colwise / rowwise) only if it is
+  an ``aten.linear`` run by an ``nn.Linear`` module itself (``OpGraph.module_kinds``): not GPT-2's Conv1D, not
+  ``nn.MultiheadAttention``'s ``F.linear`` on its packed ``in_proj_weight`` / ``out_proj``, and not a fused
+  projection whose output is split (nanoGPT's ``c_attn``: a column shard would not hold whole heads).
+  Linears that read the same tensor form one group op (q/k/v, gate/up: Megatron's fused projections); a linear
+  whose output width is the number of experts in the block is the MoE router;
+- attention, norm (with parameters; ``batchnorm`` for BatchNorm modules), embedding and convolution (``conv``)
+  ops are their own ops, and so is a matmul of two activations (``matmul``: the scores and context of an attention
+  written by hand, whose heads the layouts cannot follow: replicated); attention splits over heads only when
+  every projection feeding it is shardable; a
+  non-convolution matmul or gather reading a >= 3-D weight (grouped expert GEMMs) belongs to the experts op;
 - dtype casts and copies (``aten.to``: a no-op at the training dtype) hand their input on unchanged; views
   and ops with one activation input (activations, dropout, rotary embedding with its cos / sin inputs)
   follow their producer's layout: their work is added to the producer;
@@ -34,6 +39,11 @@ _ALIASES = ("aten.to.", "aten._to_copy", "aten._assert", "aten.alias", "aten.clo
             "aten.detach", "aten.lift_fresh")
 """Ops that hand on (a copy of) their input: the residual stream often passes through a dtype cast."""
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "tf32": 4}
+_CONV = ("aten.conv", "aten.convolution", "aten._convolution")
+_GATHERS = ("aten.index", "aten._unsafe_index", "aten.gather", "aten.index_select")
+_SPLITS = ("aten.split", "aten.split_with_sizes", "aten.chunk", "aten.unbind", "aten.tensor_split",
+           "aten.unsafe_split")
+"""Ops that cut a tensor into pieces: a linear feeding one is a fused projection (q/k/v, gate/up)."""
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -92,7 +102,11 @@ def layer_ops_from_block(block, graph, *, microbatch: int, seq: int, dtype: str 
     for e in graph.edges:
         if e.dst in in_block:
             preds.setdefault(e.dst, []).append((e.src, e.nbytes))
-    builder = _Builder(block=block, nodes=nodes, preds=preds, in_block=in_block)
+    succ: dict[str, list[str]] = {}
+    for e in graph.edges:
+        succ.setdefault(e.src, []).append(e.dst)
+    builder = _Builder(block=block, nodes=nodes, preds=preds, in_block=in_block, succ=succ,
+                       kinds=dict(getattr(graph, "module_kinds", ()) or ()))
     for name in names:
         builder.visit(nodes[name])
     accs = builder.finish(next((builder.rep[n] for n in reversed(names) if builder.rep.get(n)), None))
@@ -101,8 +115,9 @@ def layer_ops_from_block(block, graph, *, microbatch: int, seq: int, dtype: str 
 
 
 class _Builder:
-    def __init__(self, *, block, nodes, preds, in_block) -> None:
+    def __init__(self, *, block, nodes, preds, in_block, succ, kinds) -> None:
         self.block, self.nodes, self.preds, self.in_block = block, nodes, preds, in_block
+        self.succ, self.kinds = succ, kinds
         self.rep: dict[str, str] = {}  # aten node -> the coarse op carrying its layout
         self.ops: dict[str, _Acc] = {}
         self.residual: set[str] = {"input"}
@@ -110,17 +125,26 @@ class _Builder:
         self.head_dim: dict[str, int] = {}
         self.traced_tokens = 0
         self.traced_seq = 0
-        self.norm_modules = _norm_modules([nodes[x] for x in in_block])
-        self.expert_modules = tuple(sorted({nodes[x].module_fqn for x in in_block
-                                            if any(len(p[1]) >= 3 for p in nodes[x].params)}))
-        self.experts = max((p[1][0] for n in (nodes[x] for x in in_block) for p in n.params if len(p[1]) >= 3),
+        self.attention_seq = 0
+        self.conv_batch = 0
+        block_nodes = [nodes[x] for x in in_block]
+        self.norm_modules = _norm_modules(block_nodes)
+        self.batchnorm_modules = frozenset(n.module_fqn for n in block_nodes if "batch_norm" in n.target)
+        self.expert_modules = tuple(sorted({n.module_fqn for n in block_nodes if _is_expert_op(n)}))
+        self.experts = max((p[1][0] for n in block_nodes if _is_expert_op(n) for p in n.params if len(p[1]) >= 3),
                            default=0)
         self._input()
 
     def _input(self) -> None:
         self.ops["input"] = _Acc(name="input", kind="input", inputs=[])
         outside = [(s, b) for d, ps in self.preds.items() for s, b in ps if s not in self.in_block]
-        self.input_src = max(outside, key=lambda x: x[1])[0] if outside else None
+        # the residual stream: the largest floating-point tensor entering the block (a boolean causal mask of
+        # (seq, seq) can be as large as the hidden states at long sequences)
+        self.input_src = max(outside, key=lambda x: (self._floating(x[0]), x[1]))[0] if outside else None
+
+    def _floating(self, name: str) -> bool:
+        node = self.nodes.get(name)
+        return bool(node and node.output_dtypes and node.output_dtypes[0].startswith(("float", "bfloat")))
 
     def _act_inputs(self, n) -> list[str]:
         """Coarse ops producing ``n``'s activation inputs (constants and side inputs such as rotary cos / sin
@@ -145,6 +169,10 @@ class _Builder:
             self._norm(n, ins)
         elif self._expert_module(n.module_fqn):
             self._experts(n, ins, self._expert_module(n.module_fqn))
+        elif n.target.startswith(_CONV) and weights:
+            self._new(n, "conv", ins[:1], modules=[self._rel(_module_of(weights[0][0]))])
+            if n.input_shapes and n.input_shapes[0]:
+                self.conv_batch = self.conv_batch or int(n.input_shapes[0][0])
         elif n.op_class == "matmul" and weights and len(weights[0][1]) == 2:
             self._linear(n, ins, weights[0])
         elif n.op_class == "embedding" and weights:
@@ -154,6 +182,9 @@ class _Builder:
         elif n.op_class in ("attention", "norm"):
             mods = [self._rel(_module_of(n.params[0][0]))] if n.params else []
             self._new(n, n.op_class, ins, modules=mods)
+        elif n.op_class == "matmul" and not weights and len(self.preds.get(n.name, ())) >= 2 and ins:
+            # two activations (q and k, or scores and v, may come from one q/k/v group): QK^T / AV by hand
+            self._new(n, "matmul", ins)
         elif len(ins) >= 2:
             kind = "add" if any(i in self.residual for i in ins) else "pointwise"
             self._new(n, kind, ins)
@@ -192,7 +223,7 @@ class _Builder:
         token_major = [_numel(sh) for sh in n.output_shapes if len(sh) == 2]
         if n.op_class != "view":
             acc.act_elems += 2 * sum(token_major)
-            acc.saved_elems += sum(token_major)
+            acc.saved_elems += _saved_elems(n, sum(token_major))
         if token_major:
             acc.out_elems = float(token_major[0])
 
@@ -201,7 +232,8 @@ class _Builder:
         name = f"norm:{n.module_fqn}"
         acc = self.ops.get(name)
         if acc is None:
-            acc = _Acc(name=name, kind="norm", inputs=list(ins), modules=[self._rel(n.module_fqn)], op_class="norm")
+            kind = "batchnorm" if n.module_fqn in self.batchnorm_modules else "norm"
+            acc = _Acc(name=name, kind=kind, inputs=list(ins), modules=[self._rel(n.module_fqn)], op_class="norm")
             self.ops[name] = acc
         self.rep[n.name] = name
         self._add_work(acc, n)
@@ -216,7 +248,7 @@ class _Builder:
         acc.out_elems = float(_numel(n.output_shapes[0])) if n.output_shapes else 0.0
         if kind == "attention" and n.input_shapes and len(n.input_shapes[0]) == 4:
             acc.out_features = [n.input_shapes[0][1], n.input_shapes[1][1]]  # (heads, kv heads as traced)
-            self.traced_seq = max(self.traced_seq, n.input_shapes[0][2])
+            self.attention_seq = max(self.attention_seq, n.input_shapes[0][2])
         return acc
 
     def _add_work(self, acc: _Acc, n) -> None:
@@ -230,7 +262,7 @@ class _Builder:
             acc.flops_bwd += n.flops_bwd
         if n.op_class != "view":
             acc.act_elems += max(0, acts)
-            acc.saved_elems += sum(_numel(s) for s in n.output_shapes)
+        acc.saved_elems += _saved_elems(n, sum(_numel(s) for s in n.output_shapes) if n.op_class != "view" else 0)
         acc.weight_elems += weight_elems
         acc.params += weight_elems
 
@@ -263,10 +295,36 @@ class _Builder:
             self.rep[n.name] = group.name
             self._add_work(group, n)
             group.out_elems += float(_numel(n.output_shapes[0]))
-        group.modules.append(self._rel(_module_of(weight[0])))
+        group.modules.append(self._rel(n.module_fqn if self.kinds.get(n.module_fqn) == "linear"
+                                       else _module_of(weight[0])))
         group.out_features.append(out_f)
         group.op_class = "matmul"
-        group.shardable = group.shardable and n.target.startswith("aten.linear")  # nn.Linear: TP styles apply
+        group.shardable = group.shardable and self._shardable_linear(n, weight)
+
+    def _shardable_linear(self, n, weight) -> bool:
+        """Colwise / RowwiseParallel apply: an ``aten.linear`` run by an ``nn.Linear`` module's own forward (not
+        ``F.linear`` on another module's weight, as ``nn.MultiheadAttention`` does with its packed
+        ``in_proj_weight`` and ``out_proj``), whose output is not split into pieces (nanoGPT's fused ``c_attn``
+        + ``split``: a column shard would not hold whole q / k / v heads)."""
+        if not n.target.startswith("aten.linear"):
+            return False
+        if self.kinds:
+            if self.kinds.get(n.module_fqn) != "linear":
+                return False
+        elif n.module_fqn != _module_of(weight[0]):
+            return False
+        todo, seen = list(self.succ.get(n.name, ())), set()
+        while todo:  # consumers, through dtype casts / copies
+            name = todo.pop()
+            if name in seen or name not in self.nodes:
+                continue
+            seen.add(name)
+            target = self.nodes[name].target
+            if target.startswith(_SPLITS):
+                return False
+            if target.startswith(_ALIASES):
+                todo.extend(self.succ.get(name, ()))
+        return True
 
     def _consumed(self, acc: _Acc) -> bool:
         """A group is closed once a later op reads it (q/k/v are read by attention after all three)."""
@@ -289,17 +347,24 @@ class _Builder:
         return list(self.ops.values())
 
     def heads_of(self, acc: _Acc) -> tuple[int, int, int] | None:
-        """(heads, kv_heads, head_dim) of the attention reading (or read by) ``acc``, if any."""
+        """(heads, kv_heads, head_dim) of the attention reading (or read by) ``acc``, if any; None also when a
+        projection feeding it cannot be sharded (then neither can its heads)."""
         for a in self.ops.values():
             if a.kind == "attention" and (acc is a or acc.name in a.inputs or a.name in acc.inputs):
                 feeders = [self.ops[i] for i in a.inputs if self.ops[i].kind == "linear"]
                 heads = a.out_features[0] if a.out_features else 0
-                if feeders and heads:
+                if feeders and heads and all(f.shardable for f in feeders):
                     q_out = feeders[0].out_features[0]
                     head_dim = q_out // heads
                     kv = feeders[0].out_features[1] // head_dim if len(feeders[0].out_features) > 1 else heads
                     return heads, kv, head_dim
         return None
+
+
+def _saved_elems(n, outputs: float) -> float:
+    """Elements (bf16-sized: the trace runs in bf16) autograd keeps for backward because of node ``n``: measured
+    by ``planner.saved`` when the tracer could replay the graph, else its outputs (an upper bound)."""
+    return outputs if n.saved_bytes is None else n.saved_bytes / 2.0
 
 
 def _norm_modules(nodes) -> frozenset[str]:
@@ -314,13 +379,24 @@ def _norm_modules(nodes) -> frozenset[str]:
     return frozenset(m for m, ok in with_params.items() if ok)
 
 
+def _is_expert_op(n) -> bool:
+    """A grouped / batched expert GEMM, or the gather of expert weights feeding one: an op reading a >= 3-D
+    weight that is not a convolution (conv kernels, position tables are not experts)."""
+    if n.target.startswith(_CONV) or not any(len(p[1]) >= 3 for p in n.params):
+        return False
+    return n.op_class == "matmul" or n.target.startswith(_GATHERS)
+
+
 def _module_of(param_fqn: str) -> str:
     return param_fqn.rsplit(".", 1)[0]
 
 
 def _scale_of(b: _Builder, *, microbatch: int, seq: int, dtype: str) -> _Scale:
-    traced_seq = b.traced_seq or seq
-    traced_batch = max(1, b.traced_tokens // traced_seq) if b.traced_tokens else 1
+    traced_seq = b.attention_seq or b.traced_seq or seq
+    if b.traced_tokens:
+        traced_batch = max(1, b.traced_tokens // traced_seq)
+    else:  # a block without linears (a CNN's): the batch of its convolutions' input
+        traced_batch = b.conv_batch or 1
     tokens = (microbatch * seq) / (traced_batch * traced_seq)
     return _Scale(tokens=tokens, attention=tokens * seq / traced_seq, dtype_bytes=DTYPE_BYTES.get(dtype, 2))
 

@@ -28,6 +28,11 @@ entry applied to the op's modules):
     head       replicate, vocab_head (R -> S_hid)      ColwiseParallel(use_local_output=False) on lm_head
     loss       full (R), vocab_parallel (S_hid)        loss_parallel(): all-reduces of max, sum-exp, target
     router     replicate                               the MoE gate (a tiny linear)
+    conv       replicate                               convolutions: no tp style shards nn.Conv*d
+    batchnorm  replicate                               BatchNorm: its statistics need the whole batch slice
+                                                       and the whole image (no SequenceParallel)
+    matmul     replicate                               a matmul of two activations (attention written with
+                                                       matmul + softmax): no head count to split by
     experts    replicate (ep = 1), expert (ep > 1)     experts sharded over the ep axis, all-to-all dispatch
                                                        and combine, forward and backward; tokens enter
                                                        replicated over tp (no style runs an experts module on
@@ -61,7 +66,7 @@ from typing import Callable, Literal
 Layout = Literal["R", "S_seq", "S_hid", "P"]
 OpKind = Literal[
     "input", "output", "linear", "attention", "norm", "pointwise", "add", "embedding", "head", "loss",
-    "experts", "router",
+    "experts", "router", "conv", "batchnorm", "matmul",
 ]
 CollectiveKind = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
 Axis = Literal["tp", "cp", "ep"]
@@ -315,6 +320,8 @@ _RULES: dict[str, Callable[[LayerOp, MeshShape], list[OpStrategy]]] = {
     "input": _boundary, "output": _boundary, "linear": _linear, "router": lambda op, m: _same_list(op),
     "attention": _attention, "norm": _norm, "pointwise": _pointwise, "add": _pointwise,
     "embedding": _embedding, "head": _head, "loss": _loss, "experts": _experts,
+    "conv": lambda op, m: _same_list(op), "batchnorm": lambda op, m: _same_list(op),
+    "matmul": lambda op, m: _same_list(op),
 }
 
 
