@@ -40,6 +40,11 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import pipelining as pl
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from costmodel.errors import ConfigError, PlanMismatchError
 from planner.plan import Plan, StagePlan
@@ -147,8 +152,6 @@ class PipelineChunk(nn.Module):
 
 
 def _to_sequence_shard(x: torch.Tensor, tp_mesh: Any) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
     if x.shape[1] % tp_mesh.size():
         raise ConfigError(
             f"sequence parallel: sequence length {x.shape[1]} is not divisible by tp={tp_mesh.size()}; "
@@ -159,8 +162,6 @@ def _to_sequence_shard(x: torch.Tensor, tp_mesh: Any) -> torch.Tensor:
 
 
 def _from_sequence_shard(x: torch.Tensor, tp_mesh: Any) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
     # backward: the (replicated) gradient of the whole sequence is sliced back to this rank's part
     return DTensor.from_local(x, tp_mesh, [Shard(1)], run_check=False).redistribute(tp_mesh, [Replicate()]).to_local()
 
@@ -190,8 +191,6 @@ def cut_model(model: nn.Module, *, plan: Plan) -> list[PipelineChunk]:
 
 def make_schedule(stages: list[Any], *, name: str, num_microbatches: int, loss_fn: Callable[..., Any]) -> Any:
     """The torch schedule object for the plan's schedule name (see the module docstring)."""
-    from torch.distributed import pipelining as pl
-
     multi = {"interleaved-1f1b": pl.ScheduleInterleaved1F1B, "zero-bubble": pl.ScheduleInterleavedZeroBubble}
     single = {"gpipe": pl.ScheduleGPipe, "1f1b": pl.Schedule1F1B}
     try:
@@ -233,8 +232,6 @@ def _groups(mesh: Any, plan: Plan) -> _Groups:
 
 def default_mesh(plan: Plan, *, device_type: str = "cpu") -> Any:
     """A DeviceMesh laid out as the plan says (all five axes, size-1 ones included)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     return init_device_mesh(device_type, tuple(plan.mesh.axis_sizes), mesh_dim_names=tuple(plan.mesh.axis_names))
 
 
@@ -398,9 +395,8 @@ class PipelineRunner:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(self._local(p.grad), group=self._tied_group)
 
-def _check_fsdp_schedule(local: dict[int, nn.Module], plan: Plan) -> None:
-    from torch.distributed.fsdp import FSDPModule
 
+def _check_fsdp_schedule(local: dict[int, nn.Module], plan: Plan) -> None:
     fsdp = any(isinstance(m, FSDPModule) for c in local.values() for m in c.modules())
     if fsdp and plan.schedule.name == "zero-bubble":
         # Measured (torch 2.13, gloo, pp2 x dp2 ZeRO-3, tiny Llama): the first step's loss matches the
@@ -451,8 +447,6 @@ def build_pipeline(
     if parallelize_chunk is not None:
         local = {i: parallelize_chunk(c) for i, c in local.items()}
     _check_fsdp_schedule(local, plan)
-    from torch.distributed.pipelining import PipelineStage
-
     stages = [
         PipelineStage(local[i], stage_index=i, num_stages=len(all_chunks), device=device, group=groups.pp)
         for i in sorted(local)

@@ -167,3 +167,14 @@ def restrict(want: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
         "grads": [{n: g[n] for n in names} for g in want["grads"]],
         "params": {n: want["params"][n] for n in names},
     }
+
+
+def count_attention_calls(layers: dict, family: str) -> dict:
+    """Forward calls of each layer's attention module (twice per micro-batch where the layer is recomputed)."""
+    calls = {f: 0 for f in layers}
+    child = "attn" if family == "gpt2" else "self_attn"
+    for f, layer in layers.items():
+        def hook(*_args, _f=f):
+            calls[_f] += 1
+        layer.get_submodule(child).register_forward_hook(hook)
+    return calls

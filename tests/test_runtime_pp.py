@@ -1,12 +1,13 @@
-"""Pipeline parallelism and activation checkpointing (runtime/pipeline.py, runtime/checkpointing.py).
+"""Pipeline parallelism (runtime/pipeline.py, through runtime.apply_plan), with per-stage recomputation.
 
-Tiers: the cut (chunks chained in one process == the full model) and recomputation are unit tests; schedules
-run on 2 and 4 gloo ranks (one spawned run per world size, several cases each) and are compared with the
-single-process model over 3 SGD steps: loss each step, every parameter's gradient each step (gathered from the
+Tiers: the cut (chunks chained in one process == the full model) is a unit test (recomputation's are in
+tests/test_runtime_recompute.py); schedules run on 2 and 4 gloo ranks (one spawned run per world size, several
+cases each) and are compared with the single-process model over 3 SGD steps: loss each step, every parameter's gradient each step (gathered from the
 stage that holds it) and the parameters after the last step. Tolerances: fp32 CPU; the pipeline splits the
 batch into micro-batches, so sums are re-associated: rtol=1e-5, atol=1e-6 (losses ~5, gradients ~1e-2).
 The action order each rank ran is recorded and compared with ``costmodel.pipeline.rank_orders`` (the order
-the cost model simulates), and the peak in-flight micro-batches with ``inflight_microbatches``.
+the cost model simulates), and the peak in-flight micro-batches with ``inflight_microbatches``; so are the layers
+each stage recomputes (its first ``recompute_layers``) and their attention forward calls (2 per micro-batch).
 """
 
 from __future__ import annotations
@@ -230,58 +231,6 @@ def test_stage_placement_and_inputs_are_checked():
         _input_ids((ids, ids))
 
 
-# --- unit: recomputation ----------------------------------------------------------------------------------
-
-
-class _OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.counts: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        self.counts[name] = self.counts.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
-
-
-@pytest.mark.parametrize("family", ["opt", "llama"])
-def test_recompute_same_numbers_and_recomputes_what_it_says(family):
-    from runtime.checkpointing import apply_activation_checkpointing, recompute_mode
-    from runtime.model_adapters import adapter_for
-
-    ids, tgt = batches(2)[0]
-    results = {}
-    for mode in ("none", "selective", "full"):
-        model = tiny_model(family)
-        layers = adapter_for(model).layout.layers
-        apply_activation_checkpointing(model, layer_fqns=layers, mode=mode)
-        assert recompute_mode(model.get_submodule(layers[0])) == mode
-        names = [n for n, _ in model.named_parameters()]  # FQNs unchanged by checkpointing
-        loss = lm_loss(model(ids).logits, tgt)
-        with _OpCounter() as ops:
-            loss.backward()
-        results[mode] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()}, ops.counts, names)
-    for mode in ("selective", "full"):
-        torch.testing.assert_close(results[mode][0], results["none"][0], rtol=0, atol=0)
-        torch.testing.assert_close(results[mode][1], results["none"][1], rtol=RTOL, atol=ATOL)
-        assert results[mode][3] == results["none"][3]
-    sdpa = "_scaled_dot_product_flash_attention_for_cpu"
-    n_layers = len(adapter_for(tiny_model(family)).layout.layers)
-    none, sel, full = (results[m][2] for m in ("none", "selective", "full"))
-    # attention core re-run in backward once per layer under selective and full, never without recompute
-    assert none.get(sdpa, 0) == 0 and sel.get(sdpa, 0) == n_layers and full.get(sdpa, 0) == n_layers
-    # the linear layers' forward matmuls are recomputed only under full recomputation
-    assert full.get("mm", 0) + full.get("addmm", 0) > sel.get("mm", 0) + sel.get("addmm", 0)
-    assert sel.get("mm", 0) + sel.get("addmm", 0) == none.get("mm", 0) + none.get("addmm", 0)
-
-
-def test_recompute_mode_is_checked():
-    from runtime.checkpointing import set_recompute
-
-    with pytest.raises(ConfigError, match="recompute='some'"):
-        set_recompute(torch.nn.Linear(2, 2), "some")
-
-
 # --- distributed: schedules against the single-process model ----------------------------------------------
 
 # name: (family, tied, schedule, cuts, n_mb, mb, recompute per chunk, pp, dp, tp)
@@ -355,12 +304,13 @@ def _run_plan(family: str, tied: bool, plan: Plan) -> dict:
     actions."""
     from runtime import apply_plan
     from runtime.checkpointing import recompute_mode
+    from runtime_cases import count_attention_calls
 
     pm = apply_plan(tiny_model(family, tied=tied), plan, loss_fn=lm_loss)
     runner = pm.pipeline
     actions = _record_actions(runner)
     layers = {f: c.get_submodule(f) for c in runner.modules for f in c.layer_fqns}
-    calls = _count_attention_calls(layers, family)
+    calls = count_attention_calls(layers, family)
     opt = torch.optim.SGD(pm.parameters(), lr=LR)
     local_b = plan.schedule.microbatch_size * plan.schedule.num_microbatches
     d = pm.mesh.get_local_rank("dp")
@@ -379,17 +329,6 @@ def _run_plan(family: str, tied: bool, plan: Plan) -> dict:
     out["actions"] = list(actions)
     out["recompute"] = {f: recompute_mode(m) for f, m in layers.items()}
     return out
-
-
-def _count_attention_calls(layers: dict, family: str) -> dict:
-    """Forward calls of each layer's attention module (twice per micro-batch where the layer is recomputed)."""
-    calls = {f: 0 for f in layers}
-    child = "attn" if family == "gpt2" else "self_attn"
-    for f, layer in layers.items():
-        def hook(*_args, _f=f):
-            calls[_f] += 1
-        layer.get_submodule(child).register_forward_hook(hook)
-    return calls
 
 
 def _apply_plan_meta_zero3(dp: int) -> list[float]:
@@ -602,72 +541,3 @@ def test_planner_made_pipeline_plan_runs_and_matches_single_process():
     assert plan.degrees.pp == 2 and plan.schedule.virtual_stages == 2
     results = run_distributed(_planned_body, world_size=2, args=(plan.to_dict(),), timeout_s=300)
     _check_plan("planner-made", "llama", False, plan, results)
-
-
-@pytest.mark.parametrize("mode", ["none", "selective", "full"])
-def test_plan_recompute_without_a_pipeline_sets_every_layer(mode):
-    """pp = 1: the plan's single stage's recomputation on every transformer layer (what runtime.parallelize sets)."""
-    from runtime.checkpointing import apply_stage_recompute, recompute_mode, transformer_layers
-    from runtime.manual_plan import manual_plan
-    from runtime.model_adapters import adapter_for
-
-    model = tiny_model("llama")
-    layers = adapter_for(model).layout.layers
-    assert transformer_layers(model) == list(layers)
-    apply_stage_recompute(model, layer_fqns=layers, stage=manual_plan(model, recompute=mode).stages[0])
-    assert [recompute_mode(model.get_submodule(fqn)) for fqn in layers] == [mode] * len(layers)
-
-
-def test_recompute_layers_checkpoints_the_first_k_layers_of_the_stage():
-    """pp = 1, 4 layers, recompute_layers=2: layers 0-1 run under checkpoint (their attention runs again in backward),
-    layers 2-3 keep their activations; loss and gradients equal the model without recomputation."""
-    from runtime.checkpointing import apply_stage_recompute, recompute_mode, transformer_layers
-    from runtime.manual_plan import manual_plan
-
-    ids, tgt = batches(2)[0]
-    got = {}
-    for k in (None, 0, 2):
-        model = tiny_model("llama")
-        stage = manual_plan(model, recompute="full", recompute_layers=k).stages[0]
-        layers = transformer_layers(model)
-        done = apply_stage_recompute(model, layer_fqns=layers, stage=stage)
-        calls = _count_attention_calls({f: model.get_submodule(f) for f in layers}, "llama")
-        loss = lm_loss(model(ids).logits, tgt)
-        loss.backward()
-        got[k] = (done, [recompute_mode(model.get_submodule(f)) for f in layers], [calls[f] for f in layers],
-                  loss.detach(), {n: p.grad for n, p in model.named_parameters()})
-    assert got[None][:3] == (layers, ["full"] * 4, [2, 2, 2, 2])
-    assert got[0][:3] == ([], ["none"] * 4, [1, 1, 1, 1])
-    assert got[2][:3] == (layers[:2], ["full", "full", "none", "none"], [2, 2, 1, 1])
-    for k in (None, 2):
-        torch.testing.assert_close(got[k][3], got[0][3], rtol=0, atol=0)
-        torch.testing.assert_close(got[k][4], got[0][4], rtol=RTOL, atol=ATOL)
-    with pytest.raises(PlanMismatchError, match="recompute_layers=5 but the stage runs 4 transformer layers"):
-        apply_stage_recompute(model, layer_fqns=layers, stage=manual_plan(model, recompute="full",
-                                                                          recompute_layers=5).stages[0])
-
-
-def test_plan_file_without_recompute_layers_recomputes_every_layer_of_the_stage():
-    from runtime.manual_plan import manual_plan
-
-    model = tiny_model("llama")
-    plan = manual_plan(model, pp=2, recompute="selective", recompute_layers=1, num_microbatches=2)
-    data = plan.to_dict()
-    assert [st["recompute_layers"] for st in data["stages"]] == [1, 1]
-    assert Plan.from_dict(data) == plan
-    for st in data["stages"]:
-        del st["recompute_layers"]  # a plan file written before the field existed
-    assert [st.recompute_layers for st in Plan.from_dict(data).stages] == [None, None]
-    data["stages"][0]["recompute_layers"] = -1
-    with pytest.raises(PlanMismatchError, match="recompute_layers=-1 must be >= 0"):
-        Plan.from_dict(data)
-
-
-def test_selective_recompute_is_refused_on_moe_layers():
-    from runtime.checkpointing import set_recompute
-    from runtime_cases import mixtral_model
-
-    layer = mixtral_model().model.layers[0]
-    with pytest.raises(ConfigError, match="selective.*MoE.*recompute=full"):
-        set_recompute(layer, "selective")
-    set_recompute(layer, "full")  # full recomputation runs on MoE layers

@@ -30,7 +30,7 @@ from runtime.measure.compute import (
     measure_membound,
 )
 from runtime.measure.device import detect_device
-from runtime.measure.sweep import full_plan, quick_plan
+from runtime.measure.sweep import CalibrationPlan, full_plan, quick_plan
 from runtime.measure.timing import load_average
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,15 @@ def latest_calibration(directory: Path = CALIBRATION_DIR) -> Path | None:
 
 Progress = Callable[[int, int], None]
 """``progress(done, total)``: called after each measured point."""
+
+
+def _points(plan: CalibrationPlan, *, device: str, dispatch: bool) -> int:
+    """How many points ``run_calibration`` measures (for its progress)."""
+    n_coll = sum(
+        len(plan.collective_bytes) * sum(1 for op in plan.ops if op != "send_recv" or w == 2) for w in plan.world_sizes
+    )
+    n_matmul = sum(len(matmul_shapes(plan, d, device)) for d in plan.dtypes)
+    return n_matmul + len(plan.membound_bytes) + n_coll + (1 if dispatch else 0)
 
 
 def run_calibration(
@@ -67,12 +76,8 @@ def run_calibration(
     if world_max < 2:
         plan = dataclasses.replace(plan, world_sizes=())
         log.warning("only %d %s device(s): collectives not measured", info.max_ranks, info.device)
-    n_coll = sum(
-        len(plan.collective_bytes) * sum(1 for op in plan.ops if op != "send_recv" or w == 2) for w in plan.world_sizes
-    )
-    n_matmul = sum(len(matmul_shapes(plan, d, info.device)) for d in plan.dtypes)
     dispatch_on = dispatch_model is not None and not cuda
-    total = n_matmul + len(plan.membound_bytes) + n_coll + (1 if dispatch_on else 0)
+    total = _points(plan, device=info.device, dispatch=dispatch_on)
     done = [0]
 
     def tick() -> None:
