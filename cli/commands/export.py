@@ -1,4 +1,5 @@
-"""``autopar export``: a plan file as Megatron-LM flags, a torchtitan TOML or a DeepSpeed JSON config."""
+"""``autopar export``: a plan as a Megatron-LM command line, a torchtitan 0.3.0 job module or a DeepSpeed config,
+refused when the target cannot run it or it would not fit under the target's memory layout."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import sys
 from pathlib import Path
 
 NAME = "export"
-HELP = "print a plan's equivalent settings for Megatron-LM, torchtitan or DeepSpeed"
+HELP = ("write a plan's settings for Megatron-LM, torchtitan or DeepSpeed; refuses (exit 1) what the target "
+        "cannot run or what would not fit under its memory layout")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -15,19 +17,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("plan", type=Path, help="plan JSON written by `autopar plan`")
     p.add_argument("--to", required=True, choices=TARGETS, help="target framework")
-    p.add_argument("--out", type=Path, default=None, help="write the settings to a file instead of stdout")
+    p.add_argument("--out", type=Path, default=None, help="write the settings to this file instead of stdout")
+    p.add_argument("--model", default=None, metavar="SPEC",
+                   help="the model's shape when the plan's model spec does not name it (user code): a preset, "
+                        "inline dims or config.json")
+    p.add_argument("--force", action="store_true",
+                   help="write the settings even when the target cannot run the plan as planned")
 
 
 def run(args: argparse.Namespace) -> int:
     from planner.export import export_plan
+    from planner.models import model_dims
     from planner.plan import load_plan
 
-    result = export_plan(load_plan(args.plan), args.to)
+    plan = load_plan(args.plan)
+    dims = model_dims(args.model, seq=plan.model.seq_len) if args.model else None
+    result = export_plan(plan, args.to, dims=dims, force=args.force)
     if args.out:
         args.out.write_text(result.text)
         print(f"wrote {args.out}", file=sys.stderr)
     else:
         sys.stdout.write(result.text)
-    for note in result.unsupported:
-        print(f"not expressible in {args.to}: {note}", file=sys.stderr)
+    if result.memory is not None:
+        for line in result.memory.lines():
+            print(line, file=sys.stderr)
+    for note in result.notes:
+        print(f"differs in {args.to}: {note}", file=sys.stderr)
+    for warning in result.warnings:
+        print(f"warning: close to device memory under {warning}", file=sys.stderr)
+    for refusal in result.refusals:
+        print(f"refused by {args.to} (written anyway, --force): {refusal}", file=sys.stderr)
     return 0
