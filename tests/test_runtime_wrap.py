@@ -152,14 +152,14 @@ def test_manual_plan_validates_and_mismatch_messages():
     from costmodel.errors import PlanMismatchError
     from planner.plan import Plan, check_plan_matches
     from runtime.manual_plan import manual_plan
-    from planner.plan import module_fingerprint as fingerprint_of
+    from planner.plan import module_fingerprint
 
     opt = rc.opt_model()
     plan = manual_plan(opt, tp=2, dp=2, zero_stage=3, sequence_parallel=True, microbatch_size=2)
     again = Plan.from_dict(plan.to_dict())  # JSON schema + consistency checks
     assert again == plan
-    check_plan_matches(plan, fingerprint=fingerprint_of(opt), world_size=4)
+    check_plan_matches(plan, fingerprint=module_fingerprint(opt), world_size=4)
     with pytest.raises(PlanMismatchError, match="fingerprint"):
-        check_plan_matches(plan, fingerprint=fingerprint_of(rc.llama_model()), world_size=4)
+        check_plan_matches(plan, fingerprint=module_fingerprint(rc.llama_model()), world_size=4)
     with pytest.raises(PlanMismatchError, match="world size 4"):
-        check_plan_matches(plan, fingerprint=fingerprint_of(opt), world_size=2)
+        check_plan_matches(plan, fingerprint=module_fingerprint(opt), world_size=2)
