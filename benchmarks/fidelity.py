@@ -24,10 +24,10 @@ Case assumptions (the JSON's fields, plus what Table 2 leaves out):
 Where the constants live and how they were set (no per-case fitting; the same objects price every case and
 every plan):
 
-- ``costmodel.compute.ComputeEfficiency`` (engineer C1): large-GEMM efficiency, the tile / launch penalty of
+- ``costmodel.compute.ComputeEfficiency``: large-GEMM efficiency, the tile / launch penalty of
   small or skinny GEMMs, memory-bound efficiencies per op class; from vendor guides and public benchmarks
   (see its docstring), not from these cases.
-- ``costmodel.comm.CommEfficiency`` (engineer C1): achievable fraction of each link's datasheet rate, from
+- ``costmodel.comm.CommEfficiency``: achievable fraction of each link's datasheet rate, from
   nccl-tests reports.
 - ``costmodel.layer_time.StepConstants`` (this model): per-token memory-bound byte counts of a transformer
   layer (LayerNorm, bias + GeLU, dropout, residual, unfused softmax), counted from the kernels' reads and

@@ -7,7 +7,7 @@ times over sizes and rank counts) plus fits that the cost model uses in place of
   ``peak_tflops * F / (F (1 + dim_half / d) + flops_half)`` with ``d = min(m, n, k)`` and ``F = 2 m n k``
   (the same curve ``costmodel.compute`` uses with default constants).
 - ``CollectiveFit`` per op: the alpha-beta ring model ``t = steps(n) * latency_s + factor(n) * S / bus_bw``
-  (``costmodel.comm.ring_terms``) fitted by least squares on relative error over every (ranks, bytes) point.
+  (``costmodel.collectives.ring_terms``) fitted by least squares on relative error over every (ranks, bytes) point.
 - Framework dispatch time (CPU calibrations): the forward and backward of a decoder at negligible FLOPs
   (hidden 16, a few tokens) with 1 and more layers, fitted to ``t = model + layers * layer`` per pass: the
   Python / autograd / dispatcher time every op pays regardless of its size. On CPU this is a large part of a
@@ -16,25 +16,22 @@ times over sizes and rank counts) plus fits that the cost model uses in place of
   core each of ``ranks`` busy processes gets (``min(1, cores / ranks)``), which ``costmodel.profiles`` applies
   to a ``local`` node of that many ranks (4 fp32 matmul processes on 2 cores measured 44 of 88 GFLOP/s each).
 
-Files are JSON (``.json``) or TOML (``.toml``); both load with validation (``ProfileError`` naming the file
-and key). The measuring side lives in ``runtime/calibrate.py``; this module is pure.
+``calibration_from_dict`` validates (``ProfileError`` naming the key); ``costmodel.profiles.load_calibration``
+reads the files (JSON or TOML). The measuring side lives in ``runtime/calibrate.py``; this module is pure.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import tomllib
 from dataclasses import MISSING, dataclass, fields, replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from costmodel.collectives import COLLECTIVE_OPS, ring_terms
 from costmodel.errors import ProfileError
 
 SCHEMA_VERSION = 1
-COLLECTIVE_OPS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 BACKENDS: tuple[str, ...] = ("gloo", "nccl", "mpi", "fake")
 CAL_DTYPES: tuple[str, ...] = ("bf16", "fp16", "tf32", "fp32")
 
@@ -246,8 +243,6 @@ def fit_collective(
 ) -> CollectiveFit:
     """Least-squares alpha (latency) and bus bandwidth for ``op`` over the measured (ranks, bytes) points:
     all of them (``ranks=0``) or those of one rank count."""
-    from costmodel.comm import ring_terms  # comm owns the formulas; imported here to keep load order simple
-
     pts = [p for p in points if p.op == op and (ranks == 0 or p.ranks == ranks)]
     if not pts:
         raise ProfileError(f"no {op} measurements{f' on {ranks} ranks' if ranks else ''} to fit")
@@ -519,53 +514,3 @@ def validate_calibration(cal: Calibration, *, where: str) -> None:
         here = f"{where}: collective_fits[{i}]"
         _num(f.latency_s, where=here, key="latency_s", positive=False)
         _num(f.bus_gbps, where=here, key="bus_gbps")
-
-
-def save_calibration(cal: Calibration, path: str | Path) -> Path:
-    """Write ``cal`` as JSON (``.json``, default) or TOML (``.toml``)."""
-    path = Path(path)
-    data = calibration_to_dict(cal)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix == ".toml":
-        path.write_text(_to_toml(data))
-    else:
-        path.write_text(json.dumps(data, indent=1) + "\n")
-    return path
-
-
-def load_calibration(path: str | Path) -> Calibration:
-    """Read and validate a calibration file (JSON or TOML); errors name the file and key."""
-    path = Path(path)
-    if not path.is_file():
-        raise ProfileError(f"calibration file {str(path)!r} does not exist; create one with `autopar calibrate --out {path}`")
-    text = path.read_text()
-    try:
-        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ProfileError(f"{path}: invalid TOML: {e}") from None
-    except json.JSONDecodeError as e:
-        raise ProfileError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
-    return calibration_from_dict(data, where=str(path))
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # a JSON string is a valid TOML basic string
-    raise TypeError(f"cannot write {type(value).__name__} to TOML")  # pragma: no cover
-
-
-def _to_toml(data: dict[str, Any]) -> str:
-    lines = ["# autopar calibration profile (written by `autopar calibrate`)"]
-    tables = {k: v for k, v in data.items() if isinstance(v, list)}
-    for key, value in data.items():
-        if key not in tables:
-            lines.append(f"{key} = {_toml_value(value)}")
-    for key, items in tables.items():
-        for item in items:
-            lines.append(f"[[{key}]]")
-            lines.extend(f"{k} = {_toml_value(v)}" for k, v in item.items())
-    return "\n".join(lines) + "\n"

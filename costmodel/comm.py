@@ -4,7 +4,8 @@ Pure functions of (op, bytes, group, cluster). Conventions follow NCCL / nccl-te
 
 - ``nbytes`` is the full buffer: the all-reduce buffer, the gathered all-gather output, the unreduced
   reduce-scatter input, each rank's all-to-all send buffer, the broadcast buffer, one send/recv message.
-- Ring, ``n`` ranks, bandwidth ``bw`` (bus bandwidth), per-step latency ``alpha`` (FORMULAS.md "Collectives"):
+- Ring, ``n`` ranks, bandwidth ``bw`` (bus bandwidth), per-step latency ``alpha`` (Thakur, Rabenseifner and
+  Gropp, "Optimization of Collective Communication Operations in MPICH", IJHPCA 2005; ``costmodel.collectives``):
   all-reduce ``2 (n-1)/n S/bw + 2 (n-1) alpha``; all-gather / reduce-scatter ``(n-1)/n S/bw + (n-1) alpha``;
   all-to-all (pairwise exchange) ``(n-1)/n S/bw + (n-1) alpha``; broadcast (pipelined chain) ``S/bw + (n-1)
   alpha``; send/recv ``S/bw + alpha``. Tree: latency ``2 log2(n) alpha`` (all-reduce) or ``log2(n) alpha``
@@ -31,14 +32,11 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Literal
 
-from costmodel.memo import ByIdentity
+from costmodel.collectives import COLLECTIVE_OPS, ring_terms
 from costmodel.errors import ConfigError
 from costmodel.hardware import Cluster, NodeType
-
-CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv"]
-OPS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
+from costmodel.memo import ByIdentity
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -47,7 +45,7 @@ class CommEfficiency:
 
     One set for every case; no per-case fitting. Sources:
     - ``nvswitch`` 0.80: nccl-tests all_reduce busbw 8x A100 NVSwitch ~230-240 GB/s of 300 (nccl-tests #100,
-      #149: ~200-235); 8x H100 NVSwitch ~370 of 450 (0.82) without NVLink SHARP (FORMULAS.md).
+      #149: ~200-235); 8x H100 NVSwitch ~370 of 450 (0.82) without NVLink SHARP.
     - ``nvlink`` 0.80: point-to-point NVLink (bridges, hybrid cube mesh) as NVSwitch; DGX-1V ring all-reduce
       ~120-130 GB/s of 150.
     - ``xgmi`` 0.70: MI300X full mesh; a ring uses one 64 GB/s link per neighbour, RCCL spreads rings over
@@ -55,7 +53,7 @@ class CommEfficiency:
     - ``pcie`` 0.60: 8 PCIe GPUs in two sockets route rings through the CPU interconnect; nccl issues #841 /
       nccl-tests #178 report 12-25 GB/s busbw on Gen4 x16 (31.5).
     - ``infiniband`` 0.92: nccl-tests #119 / #100 (A100, 4x HDR: 85-96 GB/s of 100), H100 46-48 GB/s per
-      400G NIC of 50 (FORMULAS.md).
+      400G NIC of 50.
     - ``roce`` 0.85, ``ethernet`` 0.70 (TCP sockets): nccl issue #495 (8x 100G RoCE: ~75 GB/s of 100).
     - ``loopback`` 1.0: its numbers come from calibration.
     - ``tree_bandwidth`` 0.90: NCCL's tree reaches a little less bandwidth than its ring at large sizes.
@@ -114,22 +112,9 @@ class Placement:
     """Distinct node types spanned."""
 
 
-def ring_terms(op: str, n: int) -> tuple[float, float]:
-    """(latency steps, bandwidth factor) of the ring formula for ``op`` on ``n`` ranks."""
-    if op == "all_reduce":
-        return 2.0 * (n - 1), 2.0 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):
-        return float(n - 1), (n - 1) / n
-    if op == "broadcast":
-        return float(n - 1), 1.0
-    if op == "send_recv":
-        return 1.0, 1.0
-    raise ConfigError(f"unknown collective {op!r}; use one of {', '.join(OPS)}")
-
-
 def _validate(op: str, nbytes: float, group: Group, cluster: Cluster, first_rank: int) -> None:
-    if op not in OPS:
-        raise ConfigError(f"unknown collective {op!r}; use one of {', '.join(OPS)}")
+    if op not in COLLECTIVE_OPS:
+        raise ConfigError(f"unknown collective {op!r}; use one of {', '.join(COLLECTIVE_OPS)}")
     if not isinstance(group.size, int) or not isinstance(group.stride, int) or group.size < 1 or group.stride < 1:
         raise ConfigError(f"group size={group.size!r}, stride={group.stride!r}: both must be integers >= 1")
     if not nbytes >= 0 or math.isinf(nbytes):

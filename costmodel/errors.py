@@ -1,7 +1,7 @@
 """Typed exceptions for all of autopar.
 
-They live in the lowest package (costmodel) so that every layer can raise them; ``planner.errors``
-re-exports them. Each message names the offending value and the fix.
+They live in the lowest package (costmodel) so that every layer can raise and import them from here.
+Each message names the offending value and the fix.
 """
 
 from __future__ import annotations

@@ -37,6 +37,10 @@ _DTYPE_FALLBACK: dict[str, tuple[str, ...]] = {
 }
 
 
+GPU_ALLOCATABLE_FRACTION = 79.25 / 80.0
+"""Share of a GPU's HBM (datasheet GB = GiB) that ``torch.cuda`` reports as its total capacity (A100 80 GB)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Accelerator:
     """One device type: dense peak rates, memory, memory bandwidth."""
@@ -73,6 +77,13 @@ class Accelerator:
 
     @property
     def memory_bytes(self) -> float:
+        """Bytes a process can allocate on the device. A GPU's datasheet gigabytes are GiB of HBM, of which
+        the driver keeps a little: PyTorch reports "a total capacity of 79.25 GiB" on an 80 GB A100 (CUDA
+        out-of-memory messages in github wbfwonderful/Vad-R1#11, levihsu/OOTDiffusion#235), so
+        ``GPU_ALLOCATABLE_FRACTION`` of the GiB; the CUDA context and NCCL buffers come out of that
+        (``costmodel.memory.MemoryConstants.context_bytes``). A CPU's memory is as given."""
+        if self.kind == "gpu":
+            return self.memory_gb * 2**30 * GPU_ALLOCATABLE_FRACTION
         return self.memory_gb * 1e9
 
 

@@ -1,6 +1,6 @@
 """Memory per device: model states by ZeRO stage, activations by recomputation, buffers, allocator reserve.
 
-Model states under mixed-precision Adam (Rajbhandari et al., ZeRO, SC20; FORMULAS.md): per parameter 2 bytes
+Model states under mixed-precision Adam (Rajbhandari et al., ZeRO, SC20): per parameter 2 bytes
 bf16 weights + 2 bytes gradients + 12 bytes fp32 master weights, momentum and variance. Over a data-parallel
 group of ``d``: ZeRO-0 ``16 P``; ZeRO-1 ``4 P + 12 P / d``; ZeRO-2 ``2 P + 14 P / d``; ZeRO-3 ``16 P / d``
 (``P`` = the parameters of the device's model-parallel shard).
@@ -146,13 +146,18 @@ def full_layer_activation_bytes(
                                       kv_heads=kv_heads, glu=glu)
 
 
-def allocator_reserve_bytes(subtotal_bytes: float, constants: MemoryConstants = DEFAULT_MEMORY) -> float:
-    """CUDA context plus the caching allocator's fragmentation share of everything else."""
+def allocator_reserve_bytes(subtotal_bytes: float, constants: MemoryConstants = DEFAULT_MEMORY, *,
+                            gpu: bool = True) -> float:
+    """On a GPU: the CUDA context (with cuBLAS / NCCL workspaces) plus the caching allocator's fragmentation
+    margin on everything else (``MemoryConstants``). A CPU rank has neither: its tensors are what it holds."""
+    if not gpu:
+        return 0.0 * subtotal_bytes
     return constants.context_bytes + constants.fragmentation * subtotal_bytes
 
 
-def memory_estimate(terms: dict[str, float], constants: MemoryConstants = DEFAULT_MEMORY) -> MemoryEstimate:
+def memory_estimate(terms: dict[str, float], constants: MemoryConstants = DEFAULT_MEMORY, *,
+                    gpu: bool = True) -> MemoryEstimate:
     """Add the allocator reserve to the other terms."""
     out = {k: float(v) for k, v in terms.items()}
-    out["allocator_reserve"] = allocator_reserve_bytes(sum(out.values()), constants)
+    out["allocator_reserve"] = allocator_reserve_bytes(sum(out.values()), constants, gpu=gpu)
     return MemoryEstimate(terms=out)

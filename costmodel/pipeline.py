@@ -248,10 +248,6 @@ def simulate(
     return events
 
 
-# The contract name: events in the order torch.distributed.pipelining executes them.
-schedule_events = simulate
-
-
 def simulated_time_s(events: Sequence[Event]) -> float:
     return max(e.end_s for e in events) - min(e.start_s for e in events)
 

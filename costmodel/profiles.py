@@ -4,6 +4,8 @@ Every number in the profile files carries a ``source``. Files are validated on l
 ``ProfileError`` naming the file, the table and key, and the allowed values. The built-in files are read
 once per process (an ``lru_cache`` of immutable results keyed by directory).
 
+``load_calibration`` reads a calibration file (JSON or TOML) written by ``autopar calibrate``.
+
 Cluster specs accepted by ``resolve_cluster``: a node type name (``dgx-a100-80gb``) times ``nodes``;
 ``local`` (CPU processes on this machine; uses a calibration when given); a ``.toml`` cluster file with
 ``[[groups]]`` of node types (heterogeneous clusters), optionally defining its own ``[nodes.*]`` and
@@ -12,7 +14,9 @@ Cluster specs accepted by ``resolve_cluster``: a node type name (``dgx-a100-80gb
 
 from __future__ import annotations
 
+import difflib
 import functools
+import json
 import logging
 import tomllib
 from dataclasses import dataclass, replace
@@ -20,7 +24,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from costmodel.calibration import Calibration, load_calibration, shared_by
+from costmodel.calibration import Calibration, calibration_from_dict, shared_by
 from costmodel.errors import ProfileError
 from costmodel.hardware import (
     DTYPES,
@@ -61,6 +65,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ProfileError(f"profile file {str(path)!r} does not exist") from None
     except tomllib.TOMLDecodeError as e:  # message carries "(at line L, column C)"
         raise ProfileError(f"{path}: invalid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ProfileError(f"{path}: not a TOML file (byte {e.start} is not UTF-8 text)") from None
 
 
 class _Table:
@@ -214,6 +220,25 @@ def load_profiles(directory: str | None = None) -> ProfileDB:
     )
 
 
+def load_calibration(path: str | Path) -> Calibration:
+    """Read and validate a calibration file (JSON, or TOML for ``.toml``); errors name the file and key."""
+    path = Path(path)
+    if not path.is_file():
+        raise ProfileError(f"calibration file {str(path)!r} does not exist; create one with `autopar calibrate --out {path}`")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ProfileError(f"{path}: not a text file (byte {e.start} is not UTF-8); give the JSON or TOML file "
+                           "that `autopar calibrate --out` wrote") from None
+    try:
+        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ProfileError(f"{path}: invalid TOML: {e}") from None
+    except json.JSONDecodeError as e:
+        raise ProfileError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+    return calibration_from_dict(data, where=str(path))
+
+
 # ------------------------------------------------------------------------------------------- lookups
 
 
@@ -229,14 +254,35 @@ def list_links() -> list[str]:
     return sorted(load_profiles().links)
 
 
-def get_accelerator(name: str, *, db: ProfileDB | None = None) -> Accelerator:
-    """By name or alias, case-insensitive; unknown -> ProfileError listing the known names."""
-    db = db or load_profiles()
+def _accelerator_named(name: str, db: ProfileDB) -> Accelerator | None:
     wanted = name.strip().lower()
     for accel in db.accelerators.values():
         if wanted == accel.name.lower() or wanted in (a.lower() for a in accel.aliases):
             return accel
-    raise ProfileError(f"unknown accelerator {name!r}; known: {', '.join(sorted(db.accelerators))}")
+    return None
+
+
+def _node_named(name: str, db: ProfileDB) -> NodeType | None:
+    wanted = name.strip().lower()
+    return next((node for node in db.nodes.values() if node.name.lower() == wanted), None)
+
+
+def _close_matches(name: str, db: ProfileDB) -> str:
+    names = [*db.accelerators, *(a for acc in db.accelerators.values() for a in acc.aliases), *db.nodes]
+    close = difflib.get_close_matches(name.strip().lower(), [n.lower() for n in names], n=3, cutoff=0.6)
+    return f" (did you mean {', '.join(close)}?)" if close else ""
+
+
+def get_accelerator(name: str, *, db: ProfileDB | None = None) -> Accelerator:
+    """By name or alias (``profiles/accelerators.toml``), or by a node type's name (its accelerator: ``dgx-h100``
+    is ``H100-SXM5-80GB``), case-insensitive; unknown -> ProfileError with close matches and the known names."""
+    db = db or load_profiles()
+    accel = _accelerator_named(name, db)
+    node = None if accel is not None else _node_named(name, db)
+    if accel is not None or node is not None:
+        return accel if accel is not None else node.gpu
+    raise ProfileError(f"unknown accelerator {name!r}{_close_matches(name, db)}; known: "
+                       f"{', '.join(sorted(db.accelerators))} (their aliases, or a node type's name)")
 
 
 def get_link(name: str, *, db: ProfileDB | None = None) -> Link:
@@ -248,11 +294,23 @@ def get_link(name: str, *, db: ProfileDB | None = None) -> Link:
 
 
 def get_node_type(name: str, *, db: ProfileDB | None = None) -> NodeType:
+    """By name (``profiles/nodes.toml``), or by an accelerator's name or alias: the node type built of it
+    (``h100`` and ``H100-SXM5-80GB`` are ``dgx-h100``), case-insensitive."""
     db = db or load_profiles()
-    for node in db.nodes.values():
-        if node.name.lower() == name.strip().lower():
-            return node
-    raise ProfileError(f"unknown node type {name!r}; known: {', '.join(sorted(db.nodes))}, or a cluster .toml file")
+    node = _node_named(name, db)
+    if node is not None:
+        return node
+    accel = _accelerator_named(name, db)
+    if accel is None:
+        raise ProfileError(f"unknown node type {name!r}{_close_matches(name, db)}; known: "
+                           f"{', '.join(sorted(db.nodes))}, an accelerator they hold, or a cluster .toml file")
+    nodes = sorted(n.name for n in db.nodes.values() if n.gpu.name == accel.name)
+    if len(nodes) != 1:
+        have = f"several node types hold it: {', '.join(nodes)}; name one" if nodes else (
+            f"no node type in profiles/nodes.toml holds it; name one of {', '.join(sorted(db.nodes))}, or sweep it "
+            f"with `autopar whatif --sweep gpu={accel.name}`")
+        raise ProfileError(f"{name!r} is the accelerator {accel.name}: {have}")
+    return db.nodes[nodes[0]]
 
 
 # ------------------------------------------------------------------------------------------- clusters
@@ -297,16 +355,17 @@ def local_node_type(*, gpus_per_node: int, calibration: Calibration | None = Non
 def make_cluster(
     node_type: str, nodes: int, *, gpus_per_node: int | None = None, calibration: Calibration | None = None
 ) -> Cluster:
-    """``nodes`` nodes of ``node_type`` (a name from ``profiles/nodes.toml`` or ``local``)."""
+    """``nodes`` nodes of ``node_type`` (a name from ``profiles/nodes.toml``, ``local``, or an accelerator's name
+    or alias: the node type that holds it)."""
     nodes = _positive_int(nodes, "nodes", "pass --nodes N with N >= 1")
     if gpus_per_node is not None:
         _positive_int(gpus_per_node, "gpus_per_node", "pass --gpus-per-node N with N >= 1")
-    if node_type.strip().lower() == LOCAL:
-        gpn = gpus_per_node or get_node_type(LOCAL).gpus_per_node
+    node = get_node_type(node_type)  # a node type, or an accelerator's name or alias
+    if node.name == LOCAL:
+        gpn = gpus_per_node or node.gpus_per_node
         calibration = shared_by(calibration, gpn) if calibration is not None else None
         node = local_node_type(gpus_per_node=gpn, calibration=calibration)
     else:
-        node = get_node_type(node_type)
         if gpus_per_node is not None and gpus_per_node != node.gpus_per_node:
             node = replace(node, gpus_per_node=gpus_per_node, nics_per_node=max(1, node.nics_per_node * gpus_per_node // node.gpus_per_node))
     return Cluster(name=f"{nodes}x{node.name}", groups=(NodeGroup(node=node, count=nodes),), calibration=calibration)

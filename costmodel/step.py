@@ -47,7 +47,8 @@ from costmodel.memo import ByIdentity
 from costmodel.rank_groups import rank_clusters, slowest_device
 from costmodel import memory as mem
 from costmodel import pipeline as pl
-from costmodel.comm import CommEfficiency, DEFAULT_EFFICIENCY, Group, collective_time_s, ring_terms
+from costmodel.collectives import ring_terms
+from costmodel.comm import CommEfficiency, DEFAULT_EFFICIENCY, Group, collective_time_s
 from costmodel.compute import op_time_s
 from costmodel.errors import ConfigError
 from costmodel.hardware import Cluster
@@ -92,6 +93,12 @@ class StepEstimate:
     """Per pipeline rank: the device memory of the node group(s) its devices sit in."""
     stage_device: tuple[str, ...] = ()
     """Per pipeline rank: the accelerator its stage is priced on (the slowest of the groups it spans)."""
+    pipeline_s: float = 0.0
+    """The pipeline's time (every micro-batch through every stage, bubbles and p2p hops included)."""
+    stage_rest_s: tuple[float, ...] = ()
+    """Per pipeline rank: its exposed data-parallel traffic plus its optimizer step. ``step_time_s`` is
+    ``pipeline_s`` plus the largest exposed traffic plus the largest optimizer step, so
+    ``pipeline_s + max(stage_rest_s) <= step_time_s``."""
 
 
 def _even_stage_layers(kinds: list[str], chunks: int) -> tuple[int, ...]:
@@ -450,6 +457,7 @@ def _data_parallel(workload: Workload, cfg: ParallelConfig, parts: tuple[Cluster
     its own node groups (``parts[classes[r]]``) and its optimizer on its own device."""
     memo: dict[tuple[float, float, int, int], tuple[str, float]] = {}
     exposed, kind = 0.0, ""
+    per_rank = [0.0] * cfg.pp
     dense_l, expert_l, bwd_l = dense.tolist(), expert.tolist(), pipe["bwd_rank_s"].tolist()
     layers_l = [int(x) for x in layers.tolist()]
     for r in range(cfg.pp):
@@ -469,18 +477,18 @@ def _data_parallel(workload: Workload, cfg: ParallelConfig, parts: tuple[Cluster
         if window > 0 and cfg.zero_stage < 3:  # the last bucket starts when the backward ends
             grad_bytes = (key[0] + key[1]) * workload.dtype_bytes
             e = max(e, t * min(1.0, k.last_bucket_bytes / grad_bytes) if grad_bytes > 0 else 0.0)
+        per_rank[r] = e
         if e >= exposed:
             exposed, kind = e, lk
     sharded = cfg.zero_stage >= 1
     shard = dense / (cfg.dp * cfg.cp if sharded else 1) + expert / (
         max(1, cfg.dp // cfg.ep) * cfg.cp if sharded else 1)
-    owner = np.array(classes) if classes else np.zeros(cfg.pp, dtype=np.int64)
-    opt = 0.0
-    for c, part in enumerate(parts):  # the largest shard of each part, on that part's device
-        largest = float(shard[owner == c].max())
-        opt = max(opt, op_time_s(flops=0.0, bytes_moved=largest * k.optimizer_bytes_per_param,
-                                 op_class="elementwise", device=slowest_device(part), calibration=part.calibration))
-    return {"exposed_s": exposed, "kind": kind, "optimizer_s": opt}
+    owner = [_class_of(classes, r) for r in range(cfg.pp)]
+    opt_rank = [op_time_s(flops=0.0, bytes_moved=float(shard[r]) * k.optimizer_bytes_per_param, op_class="elementwise",
+                          device=slowest_device(parts[owner[r]]), calibration=parts[owner[r]].calibration)
+                for r in range(cfg.pp)]
+    return {"exposed_s": exposed, "kind": kind, "optimizer_s": max(opt_rank),
+            "rest_s": tuple(e + o for e, o in zip(per_rank, opt_rank))}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -501,9 +509,11 @@ def _inflight(schedule: str, pp: int, m: int, v: int) -> np.ndarray:
 
 
 def _memory(workload: Workload, cfg: ParallelConfig, ch: dict[str, np.ndarray], dense: np.ndarray,
-            expert: np.ndarray, m: int, mc: mem.MemoryConstants) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """Memory terms per pipeline rank (arrays of bytes) and the totals with the allocator reserve, from the
-    chunk arrays ``ch`` (the coster's bytes per block, summed or maxed per chunk)."""
+            expert: np.ndarray, m: int, mc: mem.MemoryConstants, gpu: np.ndarray
+            ) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Memory terms per pipeline rank (arrays of bytes) and the totals with the allocator reserve (on the
+    ranks whose device is a GPU: ``gpu``), from the chunk arrays ``ch`` (the coster's bytes per block, summed
+    or maxed per chunk)."""
     w, pp, v = workload, cfg.pp, cfg.virtual_stages
     inflight = _inflight(cfg.schedule, pp, m, v)
     terms = mem.model_state_bytes(params=dense, zero_stage=cfg.zero_stage, dp=cfg.dp * cfg.cp, constants=mc)
@@ -520,7 +530,7 @@ def _memory(workload: Workload, cfg: ParallelConfig, ch: dict[str, np.ndarray], 
         buffers = buffers + 2.0 * _per_rank(ch["maxparams"], v, pp, "max") * mc.weight_bytes
     terms["comm_buffers"] = buffers
     subtotal = sum(terms.values())
-    terms["allocator_reserve"] = mem.allocator_reserve_bytes(subtotal, mc)
+    terms["allocator_reserve"] = np.where(gpu, mem.allocator_reserve_bytes(subtotal, mc), 0.0)
     return terms, subtotal + terms["allocator_reserve"]
 
 
@@ -597,7 +607,8 @@ def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_l
         breakdown[key] = breakdown.get(key, 0.0) + dp["exposed_s"]
     breakdown["optimizer"] = dp["optimizer_s"]
     step_s = pipe["total_s"] + dp["exposed_s"] + dp["optimizer_s"]
-    terms, totals = _memory(workload, cfg, pipe["chunks"], dense, expert, m, mc)
+    gpu = np.array([slowest_device(clusters[_class_of(classes, r)]).kind == "gpu" for r in range(cfg.pp)])
+    terms, totals = _memory(workload, cfg, pipe["chunks"], dense, expert, m, mc, gpu)
     worst = int(np.argmax(totals))
     worst_mem = mem.MemoryEstimate(terms={key: float(val[worst]) for key, val in terms.items()})
     part_gb = [min(g.node.gpu.memory_bytes for g in part.groups) / mem.GB for part in clusters]
@@ -626,6 +637,8 @@ def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_l
         memory_limit_gb=min(limits_gb),
         stage_memory_limit_gb=limits_gb,
         stage_device=tuple(slowest_device(clusters[_class_of(classes, r)]).name for r in range(cfg.pp)),
+        pipeline_s=float(pipe["total_s"]),
+        stage_rest_s=dp["rest_s"],
     )
 
 

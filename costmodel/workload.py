@@ -10,10 +10,7 @@ from ``coster`` (``costmodel.block_cost``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
-
-if TYPE_CHECKING:  # the coster protocol imports this module
-    from costmodel.block_cost import BlockCoster
+from typing import Any, Callable, Literal
 
 LayerKind = Literal["embedding", "transformer", "head", "other"]
 
@@ -66,9 +63,9 @@ class Workload:
     """Gated MLP (SwiGLU: three ffn matrices) rather than GeLU (two)."""
     dtype_bytes: int = 2
     tied_embeddings: bool = False
-    coster: "BlockCoster | None" = field(default=None, compare=False)
-    """Prices each distinct block in a layer context (``costmodel.block_cost``); the step model refuses a
-    workload without one."""
+    coster: Callable[[LayerWork, Any], Any] | None = field(default=None, compare=False)
+    """A ``costmodel.block_cost.BlockCoster``: prices each distinct block in a layer context; the step model
+    refuses a workload without one."""
     meta: dict = field(default_factory=dict)
 
     @property

@@ -2,13 +2,16 @@
 
 ``diff_plans(a, b)`` compares the model, the cluster, the parallel degrees, the schedule, ZeRO, sequence
 parallelism, recomputation, stage cuts and module shardings, and sets the predictions side by side: step time,
-throughput, MFU, memory per device, the bottleneck link and every term of the step-time breakdown.
+throughput, MFU, memory per device, the bottleneck link and every term of the step-time breakdown. Plans of
+different models get no speed verdict. ``format_diff`` is the text, ``PlanDiff.to_dict`` the JSON.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from planner.export import layers_per_stage
 from planner.plan import Plan
@@ -54,15 +57,29 @@ class PlanDiff:
         return not self.changes
 
     def summary(self) -> str:
-        """A one-line verdict: faster or slower, by how much, and the memory change."""
-        step = self.effects[0]
-        mem = self.effects[3]
+        """A one-line verdict: b's step time against a's (percent of a's), and the memory change."""
+        step, mem = self.effects[0], self.effects[3]
+        times = f"{step.a:.4g} s -> {step.b:.4g} s per step"
+        if not self.same_model:
+            return f"no speed verdict: the plans are for different models ({times})"
         if not math.isfinite(step.ratio):
             return "predicted step times cannot be compared"
-        speed = "faster" if step.b < step.a else "slower" if step.b > step.a else "as fast"
         pct = abs(step.ratio - 1.0) * 100.0
-        return (f"b is {pct:.1f}% {speed} than a ({step.a:.4g} s -> {step.b:.4g} s per step), memory per device "
-                f"{mem.a:.2f} -> {mem.b:.2f} GB")
+        if pct < 0.05:  # what .1f would print as 0.0%
+            verdict = "b is as fast as a"
+        else:
+            verdict = f"b is {pct:.1f}% {'faster' if step.b < step.a else 'slower'} than a"
+        return f"{verdict} ({times}), memory per device {mem.a:.2f} -> {mem.b:.2f} GB"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``autopar diff --json`` object (NaN ratios become null)."""
+        def effect(e: Effect) -> dict[str, Any]:
+            return {**dataclasses.asdict(e), "delta": e.delta, "ratio": e.ratio if math.isfinite(e.ratio) else None}
+
+        return {"identical": self.identical, "same_model": self.same_model,
+                "changes": [dataclasses.asdict(c) for c in self.changes],
+                "effects": [effect(e) for e in self.effects], "breakdown": [effect(e) for e in self.breakdown],
+                "bottleneck": list(self.bottleneck), "summary": self.summary()}
 
 
 def _plan_fields(p: Plan) -> dict[str, str]:
@@ -78,9 +95,14 @@ def _plan_fields(p: Plan) -> dict[str, str]:
         "virtual_stages": str(s.virtual_stages),
         "zero_stage": str(p.zero_stage),
         "sequence_parallel": str(p.sequence_parallel).lower(),
-        "recompute": ",".join(st.recompute for st in p.stages),
+        "recompute": _per_stage([st.recompute for st in p.stages]),
         "layers_per_stage": ",".join(map(str, layers_per_stage(p))),
     }
+
+
+def _per_stage(values: list[str]) -> str:
+    """One value when every stage has it, else one per stage."""
+    return values[0] if len(set(values)) == 1 else ",".join(values)
 
 
 def _sharding_changes(a: Plan, b: Plan) -> list[Change]:
@@ -102,7 +124,7 @@ def diff_plans(a: Plan, b: Plan) -> PlanDiff:
     effects = (
         Effect(metric="step_time", unit="s", a=pa.step_time_s, b=pb.step_time_s),
         Effect(metric="throughput", unit="tokens/s", a=pa.tokens_per_s, b=pb.tokens_per_s),
-        Effect(metric="mfu", unit="", a=pa.mfu, b=pb.mfu),
+        Effect(metric="mfu", unit="%", a=pa.mfu, b=pb.mfu),
         Effect(metric="memory_per_device", unit="GB", a=pa.memory_gb_per_device, b=pb.memory_gb_per_device),
         Effect(metric="model_tflops_per_gpu", unit="TFLOP/s", a=pa.model_tflops_per_gpu, b=pb.model_tflops_per_gpu),
     )
@@ -121,6 +143,17 @@ def diff_plans(a: Plan, b: Plan) -> PlanDiff:
     )
 
 
+def _number(e: Effect, v: float) -> str:
+    """As ``autopar plan`` prints them: tokens/s whole with thousands separators, MFU in percent."""
+    if e.unit == "tokens/s":
+        return f"{v:,.0f}"
+    if e.unit == "%":
+        return f"{100 * v:.1f}"
+    if e.unit in ("GB", "TFLOP/s"):
+        return f"{v:.2f}"
+    return f"{v:.4g}"
+
+
 def format_diff(diff: PlanDiff) -> str:
     """Human-readable text of a diff (what ``autopar diff`` prints)."""
     lines = []
@@ -131,14 +164,15 @@ def format_diff(diff: PlanDiff) -> str:
         lines.append("changed settings (a -> b):")
         lines += [f"  {c.field:<{width}}  {c.a}  ->  {c.b}" for c in diff.changes]
     if not diff.same_model:
-        lines.append("warning: the plans are for different models: their predictions are not comparable")
+        lines.append("the plans are for different models: their predictions are not comparable")
     lines.append("")
     lines.append("predicted effect:")
     rows = [(e.metric, e) for e in diff.effects] + [(f"  {e.metric}", e) for e in diff.breakdown]
     for name, e in rows:
         ratio = f"x{e.ratio:.3f}" if math.isfinite(e.ratio) else "-"
-        unit = f" {e.unit}" if e.unit else ""
-        lines.append(f"  {name:<22} {e.a:>12.4g} -> {e.b:<12.4g}{unit:<10} {e.delta:+.4g} ({ratio})")
+        a, b, delta = (_number(e, v) for v in (e.a, e.b, e.delta))
+        delta = delta if delta.startswith("-") else "+" + delta
+        lines.append(f"  {name:<22} {a:>12} -> {b:<12} {e.unit:<9} {delta} ({ratio})")
     ba, bb = diff.bottleneck
     lines.append(f"  bottleneck             {ba or '-'} -> {bb or '-'}")
     lines.append("")

@@ -109,8 +109,8 @@ def recompute_per_chunk(plan: Plan) -> list[tuple[str, int]]:
     has it, else all of the chunk's layers."""
     out = []
     for st, n in zip(sorted(plan.stages, key=lambda s: s.index), layers_per_stage(plan)):
-        k = getattr(st, "recompute_layers", None)  # per-stage counts: plans written before them have none
-        k = n if k is None else min(int(k), n)
+        k = getattr(st, "recompute_layers", -1)  # -1 (and plans written before the counts): all of them
+        k = n if k is None or int(k) < 0 else min(int(k), n)
         out.append((st.recompute, k) if st.recompute != "none" and k > 0 else ("none", 0))
     return out
 

@@ -13,7 +13,8 @@ Spec forms (see ``list_presets()`` for the preset names):
   ``llama:layers=..,hidden=..,ffn=..,heads=..,kv_heads=..,vocab=..,seq=..``,
   ``mixtral:layers=..,hidden=..,ffn=..,heads=..,kv_heads=..,vocab=..,seq=..,experts=8,topk=2``;
 - a path to a Hugging Face ``config.json`` (or a directory holding one): the causal-LM class of its
-  ``model_type``, random init, nothing downloaded;
+  ``model_type``, random init, nothing downloaded; the sequence length is the config's
+  ``max_position_embeddings`` (Qwen2: 131,072) unless ``seq`` says otherwise;
 - ``module.path:function[:key=value,...]``: user code returning ``(model, example_inputs)``, imported from the
   current directory and called with meta as the default device (``planner.user_code``); it may accept ``batch``,
   ``seq`` and the spec's keys as keyword arguments.
@@ -27,6 +28,7 @@ Every problem with a spec raises ``ConfigError`` naming the value and the allowe
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 from dataclasses import dataclass, field, replace
@@ -324,8 +326,13 @@ def _hf_config_dims(spec: str) -> tuple[ModelDims, Callable]:
     if not isinstance(data, dict) or "model_type" not in data:
         raise ConfigError(f"{path}: no 'model_type' key; a Hugging Face config.json names its model_type")
     from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     kind = data.pop("model_type")
+    if kind not in CONFIG_MAPPING_NAMES:
+        close = difflib.get_close_matches(str(kind), list(CONFIG_MAPPING_NAMES), n=5, cutoff=0.6)
+        hint = f"close matches: {', '.join(close)}" if close else "check the spelling"
+        raise ConfigError(f"{path}: model_type {kind!r} is unknown to transformers; {hint}")
     try:
         cfg = AutoConfig.for_model(kind, **data)
     except ValueError as e:
@@ -340,7 +347,7 @@ def _hf_config_dims(spec: str) -> tuple[ModelDims, Callable]:
         arch="hf", layers=g("num_hidden_layers", "n_layer"), hidden=hidden, heads=heads,
         kv_heads=g("num_key_value_heads", default=heads), ffn_hidden=g("intermediate_size", "ffn_dim", "n_inner",
                                                                        default=4 * hidden),
-        vocab=g("vocab_size"), seq=min(g("max_position_embeddings", "n_positions", default=2048), 8192),
+        vocab=g("vocab_size"), seq=g("max_position_embeddings", "n_positions", default=2048),  # --seq overrides
         experts=experts, topk=g("num_experts_per_tok", "top_k") if experts else 0,
         glu=hasattr(text, "hidden_act") and "gelu" not in str(getattr(text, "hidden_act", "")),
         tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),

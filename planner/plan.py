@@ -16,7 +16,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,10 +112,11 @@ class StagePlan:
     ranks: tuple[int, ...]
     """Global ranks holding this chunk."""
     recompute: Recompute = "none"
-    recompute_layers: int | None = None
-    """How many of the chunk's transformer layers (every module of ``modules`` but the embedding and the modules
-    after the last layer), counted from its first, run with ``recompute``; the rest keep their activations. None
-    (a plan file without the field): all of them. With ``recompute="none"`` no layer is recomputed."""
+    recompute_layers: int = -1
+    """How many of the chunk's transformer layers (its recomputable layers: all but the embedding and the head),
+    counted from its first, run with ``recompute``; the rest keep their activations. -1 (and a plan file without
+    the field): all of them; a count above the chunk's layers means all of them too. With ``recompute="none"`` no
+    layer is recomputed. The search writes the count it priced (the fewest that fit)."""
     gpu: str = ""
     """Accelerator of the node group the chunk is placed on: the one its time was predicted on (on a
     heterogeneous cluster each pipeline rank's ranks lie in one node group, and the cuts balance the groups)."""
@@ -186,8 +186,12 @@ class SolverStats:
     """``optimal`` | ``feasible`` (time limit hit, best so far) | ``fixed`` (configuration given)."""
     objective: float = 0.0
     bound: float = 0.0
+    """A lower bound on the step time of every plan in the space that ``proven`` names."""
     gap: float = 0.0
     candidates_explored: int = 0
+    proven: str = ""
+    """Which space ``status``, ``bound`` and ``gap`` cover, in words (``optimal over the whole space (...)``, or
+    what was left open: pipelines whose cuts a DP proposed, not reached before the time limit, ...)."""
     intra_op: dict[str, float] = field(default_factory=dict)
     """The per-block sharding ILPs behind the plan's shardings: ``blocks`` (workload entries),
     ``distinct_solutions``, how many ended ``optimal`` / ``feasible`` / ``greedy``, and ``max_gap``."""
@@ -273,9 +277,12 @@ def load_plan(path: str | Path) -> Plan:
     """Read and validate a plan file; every problem becomes a ``PlanMismatchError`` naming the file."""
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_bytes().decode("utf-8")
     except OSError as e:
         raise PlanMismatchError(f"cannot read plan file {p}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise PlanMismatchError(f"{p}: not a plan file (byte {e.start} is not UTF-8 text); give the JSON that "
+                                "`autopar plan --out` wrote") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
@@ -356,8 +363,8 @@ def _check_consistency(plan: Plan) -> None:
     for st in plan.stages:
         if st.recompute not in RECOMPUTE:
             errors.append(f"stage {st.index}: recompute={st.recompute!r}; allowed {RECOMPUTE}")
-        if st.recompute_layers is not None and st.recompute_layers < 0:
-            errors.append(f"stage {st.index}: recompute_layers={st.recompute_layers} must be >= 0 (or null: all)")
+        if st.recompute_layers < -1:
+            errors.append(f"stage {st.index}: recompute_layers={st.recompute_layers} must be >= 0 (or -1: all)")
         if st.gpu and gpus and st.gpu not in gpus:
             errors.append(f"stage {st.index}: gpu={st.gpu!r} is not in the cluster's accelerators {gpus}")
         if st.gpu and rank_gpu.setdefault(st.pp_rank, st.gpu) != st.gpu:
@@ -432,8 +439,6 @@ def _schema_of(tp: Any) -> dict[str, Any]:
         return {"type": "object", "additionalProperties": _schema_of(typing.get_args(tp)[1])}
     if origin is Literal:
         return {"enum": list(typing.get_args(tp))}
-    if origin in (typing.Union, types.UnionType):
-        return {"anyOf": [{"type": "null"} if a is type(None) else _schema_of(a) for a in typing.get_args(tp)]}
     if tp is bool:
         return {"type": "boolean"}
     if tp is int:

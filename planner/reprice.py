@@ -19,16 +19,16 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 
 def plan_config(plan: Plan) -> ParallelConfig:
     """The cost model's record of ``plan``'s configuration (the first stage's recompute mode, every stage's
-    ``recompute_layers`` when all stages give one)."""
+    ``recompute_layers`` unless all are -1)."""
     d, s = plan.degrees, plan.schedule
     stages = sorted(plan.stages, key=lambda st: st.index)
     counts = [st.recompute_layers for st in stages]
-    if any(c is None for c in counts) and any(c is not None for c in counts):
-        raise ConfigError(f"recompute_layers per stage {counts}: give a count for every stage or for none")
+    if -1 in counts and any(c != -1 for c in counts):
+        raise ConfigError(f"recompute_layers per stage {counts}: give a count for every stage or -1 (all) for all")
     return ParallelConfig(
         tp=d.tp, pp=d.pp, dp=d.dp, cp=d.cp, ep=d.ep, microbatch=s.microbatch_size, global_batch=plan.global_batch,
         schedule=s.name, virtual_stages=s.virtual_stages, recompute=stages[0].recompute if stages else "none",
-        recompute_layers=None if not counts or counts[0] is None else tuple(counts),
+        recompute_layers=None if not counts or counts[0] == -1 else tuple(counts),
         sequence_parallel=plan.sequence_parallel, zero_stage=plan.zero_stage,
     )
 

@@ -6,8 +6,9 @@ resolves named clusters and cluster files. ``run_whatif`` plans every case, in w
 ``jobs > 1``, and returns a ``WhatIfResult`` whose ``table`` is a pandas DataFrame with one row per case:
 infeasible cases stay in the table, marked, with the memory per device they would need.
 
-Each case's outcome is cached on disk under a hash of everything that decides it (model spec and, for a file,
-its content; cluster; global batch; sequence length; time limit; the source of the cost model, the search and
+``fix`` pins choices on every cluster as ``plan_model(fix=...)`` does (``tp=8,pp=2``). Each case's outcome is
+cached on disk under a hash of everything that decides it (model spec and, for a file, its content; cluster;
+global batch; sequence length; time limit; pinned choices; the source of the cost model, the search and
 the hardware profiles), so a repeated sweep only plans what changed. The cache directory is an argument
 (``cache_dir``); ``default_cache_dir()`` is ``$XDG_CACHE_HOME/autopar/whatif`` or ``~/.cache/autopar/whatif``.
 
@@ -31,8 +32,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import pandas as pd
+
 from costmodel.errors import AutoparError, ConfigError, InfeasiblePlanError
+from costmodel.profiles import custom_cluster, get_node_type, list_node_types, resolve_cluster
 from planner.plan import Plan
+from planner.search.driver import plan_model
+from planner.workload import workload_from_model
 
 log = logging.getLogger(__name__)
 
@@ -148,8 +154,6 @@ def parse_sweep(tokens: list[str]) -> list[ClusterCase]:
 
     With one node the inter-node bandwidth does not matter: those cases are kept once (inter-node-gbps NaN).
     """
-    from costmodel.profiles import custom_cluster
-
     axes: dict[str, tuple[Any, ...]] = {}
     for token in tokens:
         name, values = parse_axis(token)
@@ -192,8 +196,6 @@ def _sweep_label(a: dict[str, Any]) -> str:
 
 def cluster_cases(specs: list[str], *, nodes: int | None = None, gpus_per_node: int | None = None) -> list[ClusterCase]:
     """Named node types / ``local`` / cluster .toml files -> cases (``costmodel.profiles.resolve_cluster``)."""
-    from costmodel.profiles import resolve_cluster
-
     cases = []
     for spec in specs:
         cluster = resolve_cluster(spec, nodes=nodes, gpus_per_node=gpus_per_node)
@@ -228,8 +230,6 @@ def price_per_gpu_hour(node: Any) -> tuple[float, str]:
     """
     if node.price_per_gpu_hour is not None:
         return float(node.price_per_gpu_hour), node.name
-    from costmodel.profiles import get_node_type, list_node_types
-
     priced = []
     for name in list_node_types():
         other = get_node_type(name)
@@ -273,12 +273,12 @@ def _model_id(model: Any) -> str:
 
 
 def case_key(*, model: Any, cluster: Any, global_batch: int, seq: int | None, time_limit_s: float | None,
-             code: str) -> str:
+             code: str, fix: str | None = None) -> str:
     """Hash of everything that decides a case's outcome."""
     model_id = _model_id(model)
     blob = json.dumps(
         {"model": model_id, "cluster": repr(cluster), "global_batch": global_batch, "seq": seq,
-         "time_limit_s": time_limit_s, "code": code},
+         "time_limit_s": time_limit_s, "code": code, "fix": fix},
         sort_keys=True,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
@@ -307,19 +307,18 @@ def _write_cache(cache_dir: Path | None, key: str, outcome: Outcome) -> None:
 
 
 def _default_plan_fn(model: Any, cluster: Any, *, global_batch: int, seq: int | None,
-                     time_limit_s: float | None) -> Plan:
-    from planner.search.driver import plan_model
-
-    return plan_model(model, cluster, global_batch=global_batch, seq=seq, time_limit_s=time_limit_s)
+                     time_limit_s: float | None, fix: str | None = None) -> Plan:
+    return plan_model(model, cluster, global_batch=global_batch, seq=seq, time_limit_s=time_limit_s, fix=fix)
 
 
 def plan_case(*, model: Any, cluster: Any, global_batch: int, seq: int | None = None,
-              time_limit_s: float | None = None, plan_fn: Callable[..., Plan] | None = None) -> Outcome:
+              time_limit_s: float | None = None, fix: str | None = None,
+              plan_fn: Callable[..., Plan] | None = None) -> Outcome:
     """Plan one cluster; an infeasible request becomes an ``infeasible`` outcome, other autopar errors ``error``."""
     fn = plan_fn or _default_plan_fn
     t0 = time.perf_counter()
     try:
-        plan = fn(model, cluster, global_batch=global_batch, seq=seq, time_limit_s=time_limit_s)
+        plan = fn(model, cluster, global_batch=global_batch, seq=seq, time_limit_s=time_limit_s, fix=fix)
     except InfeasiblePlanError as e:
         return Outcome(status=STATUS_INFEASIBLE, message=str(e), memory_gb_needed=_needed_memory_gb(e),
                        plan_time_s=time.perf_counter() - t0)
@@ -355,10 +354,6 @@ def _warm_trace(model: Any, seq: int | None) -> bool:
     after this start with the cache warm, so the model is traced once per sweep, not once per worker."""
     if not isinstance(model, str):
         return False
-    try:
-        from planner.workload import workload_from_model
-    except ImportError:  # the tracer is not installed: every worker traces for itself
-        return False
     workload_from_model(model, batch=1, seq=seq)
     return True
 
@@ -371,6 +366,7 @@ def run_whatif(
     seq: int | None = None,
     tokens: float | None = None,
     time_limit_s: float | None = None,
+    fix: str | None = None,
     jobs: int = 1,
     cache_dir: Path | None = None,
     plan_fn: Callable[..., Plan] | None = None,
@@ -380,7 +376,7 @@ def run_whatif(
     """Plan ``model`` (a spec, or a ``(Workload, ModelInfo)`` pair as ``plan_model`` takes) on every case; rows
     in case order. Ctrl-C (KeyboardInterrupt) keeps finished rows.
 
-    ``plan_fn(model, cluster, *, global_batch, seq, time_limit_s) -> Plan`` replaces the planner (a
+    ``plan_fn(model, cluster, *, global_batch, seq, time_limit_s, fix) -> Plan`` replaces the planner (a
     module-level function when ``jobs > 1``); ``on_result(done, total, row)`` is called as each case finishes.
     ``share_trace``: trace the model once in this process and fork the workers from it (warm trace cache).
     """
@@ -391,7 +387,7 @@ def run_whatif(
     t0 = time.perf_counter()
     code = code_fingerprint()
     keys = [case_key(model=model, cluster=c.cluster, global_batch=global_batch, seq=seq,
-                     time_limit_s=time_limit_s, code=code) for c in cases]
+                     time_limit_s=time_limit_s, code=code, fix=fix) for c in cases]
     outcomes: dict[int, Outcome] = {}
     rows: dict[int, dict[str, Any]] = {}
 
@@ -414,7 +410,8 @@ def run_whatif(
             warm = share_trace and plan_fn is None and _warm_trace(model, seq)
             tasks = [{"index": i, "key": keys[i], "cache_dir": cache_dir,
                       "kwargs": {"model": model, "cluster": cases[i].cluster, "global_batch": global_batch,
-                                 "seq": seq, "time_limit_s": time_limit_s, "plan_fn": plan_fn}} for i in todo]
+                                 "seq": seq, "time_limit_s": time_limit_s, "fix": fix, "plan_fn": plan_fn}}
+                     for i in todo]
             _run_tasks(tasks, jobs=min(jobs, len(tasks)), finish=finish, fork=warm)
     except KeyboardInterrupt:
         interrupted = True
@@ -512,8 +509,6 @@ def _recompute_summary(plan: Plan) -> str:
 
 
 def make_table(rows: list[dict[str, Any]]) -> Any:
-    import pandas as pd
-
     table = pd.DataFrame(rows, columns=list(TABLE_COLUMNS))
     for k in ("tp", "pp", "dp", "cp", "ep", "zero", "microbatch", "microbatches", "vstages", "gpus", "nodes",
               "gpus_per_node"):

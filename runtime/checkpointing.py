@@ -125,20 +125,19 @@ def transformer_layers(model: nn.Module) -> list[str]:
 
 
 def apply_stage_recompute(model: nn.Module, *, layer_fqns: Sequence[str], stage: StagePlan) -> list[str]:
-    """Recompute the first ``stage.recompute_layers`` (None: all) of the stage's transformer layers ``layer_fqns``
-    (in execution order) with ``stage.recompute``; the others keep their activations. The FQNs recomputed."""
+    """Recompute the first ``stage.recompute_layers`` (-1, or more than there are: all) of the stage's transformer
+    layers ``layer_fqns`` (in execution order) with ``stage.recompute``; the others keep their activations. The
+    FQNs recomputed."""
     mode, count = stage.recompute, stage.recompute_layers
-    n = len(layer_fqns)
-    if count is not None and not 0 <= count <= n:
-        raise PlanMismatchError(
-            f"stage {stage.index}: recompute_layers={count} but the stage runs {n} transformer layers; "
-            f"use 0..{n} (or null: all) or re-plan for this model"
-        )
-    chosen = list(layer_fqns[: n if count is None else count]) if mode != "none" else []
-    if mode != "none" and count is None and not layer_fqns:
+    if count < -1:
+        raise PlanMismatchError(f"stage {stage.index}: recompute_layers={count} must be >= 0 (or -1: all)")
+    if mode == "none" or count == 0:
+        return []
+    if not layer_fqns:
         raise ConfigError(
             f"recompute={mode} (stage {stage.index}): {type(model).__name__} has no nn.ModuleList of layers to "
             "recompute; re-plan with --fix recompute=none"
         )
+    chosen = list(layer_fqns if count == -1 else layer_fqns[:count])
     apply_activation_checkpointing(model, layer_fqns=chosen, mode=mode)
     return chosen

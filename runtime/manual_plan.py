@@ -51,7 +51,7 @@ def megatron_shardings(model: nn.Module, *, sequence_parallel: bool = False) -> 
 
 
 def _stages(model: nn.Module, *, pp: int, world_size: int, recompute: str,
-            recompute_layers: int | None) -> list[StagePlan]:
+            recompute_layers: int) -> list[StagePlan]:
     """One stage per pipeline rank: the transformer layers split evenly (the first stages take one more)."""
     layers = transformer_layers(model)
     if pp > 1 and not layers:
@@ -78,7 +78,7 @@ def manual_plan(
     zero_stage: int = 0,
     sequence_parallel: bool = False,
     recompute: str = "none",
-    recompute_layers: int | None = None,
+    recompute_layers: int = -1,
     microbatch_size: int = 1,
     num_microbatches: int = 1,
     schedule: str = "1f1b",
@@ -90,7 +90,7 @@ def manual_plan(
 
     ``cp`` > 1: context parallel (``runtime.context_parallel``); ``seq_len`` (if given) must be divisible by 2 cp.
     ``recompute``: every stage's activation recomputation (none / selective / full), on the first
-    ``recompute_layers`` layers of each stage (None: all)."""
+    ``recompute_layers`` layers of each stage (-1: all)."""
     degrees = ParallelDegrees(tp=tp, cp=cp, dp=dp, pp=pp)
     world = degrees.world_size
     if shardings is None:

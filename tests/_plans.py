@@ -83,7 +83,7 @@ def make_plan(
     )
 
 
-def standin_plan(model, cluster, *, global_batch: int, seq=None, time_limit_s=None) -> Plan:
+def standin_plan(model, cluster, *, global_batch: int, seq=None, time_limit_s=None, fix=None) -> Plan:
     """A planner stand-in for testing the what-if machinery: data parallel over nodes, tp inside a node.
 
     Its step time follows the cluster's GPU peak and NIC rate, so different clusters give different rows;

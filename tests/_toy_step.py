@@ -1,8 +1,9 @@
 """A small stand-in step model for the planner tests: same call shape as ``costmodel.step.estimate_step``.
 
 Not a cost model anyone should trust: it only has to be a function of the configuration with the properties
-the search relies on (recomputation adds time and saves memory), so that search == brute force can be tested
-independently of the real model.
+the search relies on (a rank's time is the sum of its entries' times; recomputation adds time and saves memory;
+the pipeline follows ``costmodel.pipeline``'s closed forms), so that search == brute force can be tested
+independently of the real model's numbers.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 from costmodel.errors import ConfigError
+from costmodel.pipeline import pipeline_time_s
 from costmodel.workload import LayerWork, Workload
 
 
@@ -28,6 +30,7 @@ class ToyEstimate:
     breakdown_s: dict = field(default_factory=dict)
     memory_breakdown_gb: dict = field(default_factory=dict)
     bottleneck: str = "compute"
+    stage_memory_limit_gb: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -44,6 +47,7 @@ class ToyConfig:
     recompute: str = "none"
     sequence_parallel: bool = False
     zero_stage: int = 0
+    recompute_layers: tuple[int, ...] | None = None
 
 
 def toy_workload(*, layers=4, hidden=64, heads=4, vocab=1000, seq=128, ffn=None, name="toy") -> Workload:
@@ -75,22 +79,29 @@ def toy_estimate(workload, cfg, cluster, *, stage_layers=None, peak_flops=1e12, 
     rec = {"none": 1.0, "selective": 1.1, "full": 4.0 / 3.0}[cfg.recompute]
     act_keep = {"none": 1.0, "selective": 0.6, "full": 0.1}[cfg.recompute]
     tp_eff = 1.0 - 0.08 * math.log2(cfg.tp)
-    times, params, acts, start = [], [], [], 0
-    for n in stage_layers:
+    rate = cfg.tp * cfg.cp * peak_flops * tp_eff / cfg.microbatch
+    tf, tb, params, acts, start = [], [], [], [], 0
+    for c, n in enumerate(stage_layers):
         seg = workload.layers[start : start + n]
         start += n
-        fl = sum(l.flops_fwd * rec + l.flops_bwd for l in seg) * cfg.microbatch
-        times.append(fl / (cfg.tp * cfg.cp * peak_flops * tp_eff) + 1e-4)
+        left = len(seg) if cfg.recompute_layers is None else cfg.recompute_layers[c]
+        on = []
+        for l in seg:  # the first ``left`` transformer layers of the chunk recompute
+            on.append(l.recomputable and left > 0)
+            left -= on[-1]
+        tf.append(sum(l.flops_fwd for l in seg) / rate)
+        tb.append(sum(l.flops_bwd + l.flops_fwd * ((rec if o else 1.0) - 1.0) for l, o in zip(seg, on)) / rate)
         params.append(sum(l.params for l in seg) / cfg.tp)
-        acts.append(sum(34.0 * workload.seq * workload.hidden for l in seg if l.kind == "transformer")
-                    * cfg.microbatch * act_keep / (cfg.tp if cfg.sequence_parallel else 1) / cfg.cp)
-    per_rank_t = [sum(times[c] for c in range(r, chunks, cfg.pp)) for r in range(cfg.pp)]
-    if cfg.virtual_stages == 1:  # unequal stages: sum_s T_s + (m - 1) max_s T_s
-        pipe = sum(per_rank_t) + (m - 1) * max(per_rank_t)
-        bubble = pipe - m * max(per_rank_t)
-    else:
-        bubble = (cfg.pp - 1) / cfg.virtual_stages * max(per_rank_t)
-        pipe = m * max(per_rank_t) + bubble
+        acts.append(sum(34.0 * workload.seq * workload.hidden * (act_keep if o else 1.0)
+                        for l, o in zip(seg, on) if l.kind == "transformer")
+                    * cfg.microbatch / (cfg.tp if cfg.sequence_parallel else 1) / cfg.cp)
+    # the real model's closed forms; zero-bubble splits each backward into halves (input and weight gradients)
+    split = 0.5 if cfg.schedule == "zero-bubble" else 0.0
+    pipe = pipeline_time_s(cfg.schedule, pp=cfg.pp, num_microbatches=m, virtual_stages=cfg.virtual_stages,
+                           t_fwd_s=tf, t_bwd_s=[t * (1 - split) for t in tb], t_wgrad_s=[t * split for t in tb],
+                           p2p_s=1e-4)
+    times = [sum(tf[c] + tb[c] for c in range(r, chunks, cfg.pp)) for r in range(cfg.pp)]
+    bubble = pipe - m * max(times)
     zero_bytes = {0: 16.0, 1: 4.0 + 12.0 / cfg.dp, 2: 2.0 + 14.0 / cfg.dp, 3: 16.0 / cfg.dp}[cfg.zero_stage]
     mems, grads = [], []
     for r in range(cfg.pp):
@@ -106,4 +117,5 @@ def toy_estimate(workload, cfg, cluster, *, stage_layers=None, peak_flops=1e12, 
     tokens = cfg.global_batch * workload.seq / step
     return ToyEstimate(step_time_s=step, fits=max(mems) <= cap, memory_gb_per_device=max(mems),
                        stage_time_s=tuple(times), stage_memory_gb=tuple(mems), tokens_per_s=tokens,
+                       stage_memory_limit_gb=(cap,) * cfg.pp,
                        breakdown_s={"compute": pipe - bubble, "bubble": bubble, "comm_ib": max(grads), "optimizer": opt})

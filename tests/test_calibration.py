@@ -16,13 +16,13 @@ from costmodel.calibration import (
     build_calibration,
     fit_collective,
     fit_matmul,
-    load_calibration,
-    save_calibration,
 )
-from costmodel.comm import Group, collective_time_s, ring_terms
+from cli.calibration_file import save_calibration
+from costmodel.collectives import ring_terms
+from costmodel.comm import Group, collective_time_s
 from costmodel.compute import op_time_s
 from costmodel.errors import ProfileError
-from costmodel.profiles import PROFILES_DIR, resolve_cluster
+from costmodel.profiles import PROFILES_DIR, load_calibration, resolve_cluster
 
 TRUE_MATMUL = MatmulFit(dtype="fp32", peak_tflops=0.05, dim_half=16.0, flops_half=2e5)
 SHAPES = ((64, 64, 64), (128, 128, 128), (256, 256, 256), (512, 512, 512), (16, 512, 512), (512, 512, 8), (32, 1024, 256))

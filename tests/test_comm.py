@@ -1,4 +1,4 @@
-"""Collective formulas against hand-computed cases (FORMULAS.md "Collectives"), placement, NIC sharing."""
+"""Collective formulas (``costmodel.comm`` docstring) against hand-computed cases, placement, NIC sharing."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import math
 import pytest
 
 from costmodel.calibration import Calibration, CollectiveFit
-from costmodel.comm import CommEfficiency, Group, collective_time_s, place, ring_terms
+from costmodel.collectives import ring_terms
+from costmodel.comm import CommEfficiency, Group, collective_time_s, place
 from costmodel.errors import ConfigError
 from costmodel.profiles import load_cluster_file, make_cluster, PROFILES_DIR
 

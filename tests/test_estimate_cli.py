@@ -46,7 +46,7 @@ def test_does_not_fit_says_how_much(capsys):
     rc = main(["estimate", "--model", big, "--cluster", "dgx-a100-80gb", "--nodes", "1", "--dp", "8",
                "--global-batch", "8", "--microbatch", "1", "--json"])
     out = capsys.readouterr()
-    assert rc == 0
+    assert rc == 1  # the answer is no: a script can test it
     d = json.loads(out.out)
     assert d["fits"] is False and d["memory_gb_per_device"] > 80
     assert f"{d['memory_gb_per_device']:.1f} GB per device" in out.err
@@ -57,9 +57,9 @@ def test_does_not_fit_says_how_much(capsys):
     (["--tp", "2", "--global-batch", "16", "--microbatch", "3"], "microbatch in [2, 4]"),
     (["--tp", "2", "--dp", "2", "--global-batch", "8"], "!= 8 devices; use dp=4"),
 ])
-def test_bad_configurations_exit_1_with_the_fix(capsys, extra, msg):
+def test_bad_configurations_exit_2_with_the_fix(capsys, extra, msg):
     rc, _, err = _run(capsys, *extra)
-    assert rc == 1
+    assert rc == 2
     assert "autopar estimate: error:" in err and msg in err
 
 

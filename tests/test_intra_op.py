@@ -252,21 +252,17 @@ def test_gqa_with_tp_over_kv_heads_replicates_attention(traced, cluster) -> None
     assert (styles["gate_proj"], styles["up_proj"], styles["down_proj"]) == ("colwise", "colwise", "rowwise")
 
 
-def test_repeated_blocks_solve_once_and_fast(traced, cluster) -> None:
-    import time
-
+def test_repeated_blocks_solve_once(traced, cluster) -> None:
+    """Identical blocks hit the cache (how fast one solve is: ``python -m benchmarks.intra_op_speed``)."""
     from planner.search.block_plan import StrategyCache, block_strategy
 
     graph, layers, dims = traced[GPT3_BLOCK]
     assert layers[0].signature == layers[1].signature
     cache = StrategyCache()
     kw = dict(graph=graph, tp=8, microbatch=1, seq=dims.seq, sequence_parallel=True, cluster=cluster, cache=cache)
-    start = time.perf_counter()
     first = block_strategy(layers[0], **kw)
-    elapsed_s = time.perf_counter() - start
     again = block_strategy(layers[1], **kw)
     assert again is first and (cache.misses, cache.hits) == (1, 1)
-    assert elapsed_s < 1.0, f"solving one GPT-3 175B block at tp=8 took {elapsed_s:.3f} s"
 
 
 def test_block_memory_budget_infeasible_names_minimum(traced, cluster) -> None:

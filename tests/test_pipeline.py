@@ -122,7 +122,7 @@ def test_inflight_counts():
 
 
 def test_events_are_consistent():
-    ev = P.schedule_events("interleaved-1f1b", pp=2, num_microbatches=4, virtual_stages=2, t_fwd_s=1.0,
+    ev = P.simulate("interleaved-1f1b", pp=2, num_microbatches=4, virtual_stages=2, t_fwd_s=1.0,
                            t_bwd_s=2.0, p2p_s=0.1)
     assert len(ev) == 2 * 2 * 4 * 2
     for stage in range(2):

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from planner.errors import PlanMismatchError
+from costmodel.errors import PlanMismatchError
 from planner.plan import (
     ClusterInfo,
     MeshSpec,

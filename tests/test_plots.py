@@ -72,8 +72,24 @@ def test_gantt_shows_every_microbatch_and_bubbles(tmp_path, captured_axes, kw):
     assert len(ax.patches) == plan.degrees.pp * (1 + kinds * s.virtual_stages * s.num_microbatches)
     legend = {t.get_text() for t in ax.get_legend().get_texts()}
     assert {"idle (bubble)", "forward", "backward"} <= legend
-    assert "idle" in ax.get_title() and "%" in ax.get_title()
+    assert "bubble" in ax.get_title() and "% of the step" in ax.get_title()
+    d = plan.degrees
+    assert f"tp={d.tp} cp={d.cp} pp={d.pp} dp={d.dp} ep={d.ep}" in fig._suptitle.get_text()
     assert "GB" in ax_mem.get_xlabel() and len(ax_mem.patches) == plan.degrees.pp
+
+
+def test_gantt_numbers_stay_legible_with_many_microbatches(tmp_path, captured_axes):
+    """64 micro-batches on 4 stages: numbers only on bars wide enough for them, and the title says so."""
+    plan = make_plan(pp=4, schedule="1f1b", num_microbatches=64, dp=1)
+    plot_gantt(plan, tmp_path / "g.png")
+    ax = captured_axes[-1].axes[0]
+    numbered = [t for t in ax.texts if t.get_text().isdigit()]
+    assert "on bars wide enough" in ax.get_title() or "too many" in ax.get_title()
+    assert len(numbered) < 4 * 2 * 64
+    few = make_plan(pp=4, schedule="1f1b", num_microbatches=8)
+    plot_gantt(few, tmp_path / "few.png")
+    ax = captured_axes[-1].axes[0]
+    assert len([t for t in ax.texts if t.get_text().isdigit()]) == 4 * 2 * 8 and "(numbers: micro-batch)" in ax.get_title()
 
 
 def test_chunk_times_add_up_to_the_stage_times():

@@ -118,7 +118,8 @@ def _edit(path: Path, old: str, new: str) -> None:
 
 
 def test_unknown_gpu_lists_the_known_ones(tmp_path):
-    with pytest.raises(ProfileError, match=r"unknown accelerator 'H900'; known: A100-PCIe-40GB, .*V100-SXM2-32GB"):
+    with pytest.raises(ProfileError, match=r"unknown accelerator 'H900' \(did you mean h200, h100\?\); known: "
+                                           r"A100-PCIe-40GB, .*V100-SXM2-32GB"):
         get_accelerator("H900")
     root = _copy_profiles(tmp_path)
     _edit(root / "nodes.toml", 'gpu = "H100-SXM5-80GB"', 'gpu = "H900"')
@@ -187,3 +188,19 @@ def test_cluster_file_can_name_a_calibration(tmp_path):
     cluster = load_cluster_file(path)
     assert cluster.name == "my-box" and cluster.num_devices == 3
     assert cluster.calibration is not None and cluster.gpu.hbm_gbps == cluster.calibration.membound_gbps
+
+
+def test_one_accelerator_vocabulary_for_clusters_and_sweeps():
+    """dgx-h100, h100 and H100-SXM5-80GB name one thing wherever a node type or an accelerator is asked for."""
+    from costmodel.profiles import get_node_type, resolve_cluster
+    from planner.whatif import parse_sweep
+
+    for name in ("dgx-h100", "h100", "H100-SXM5-80GB", "h100-sxm"):
+        assert get_node_type(name).name == "dgx-h100"
+        assert get_accelerator(name).name == "H100-SXM5-80GB"
+        assert resolve_cluster(name, nodes=2).num_devices == 16
+        assert parse_sweep([f"gpu={name}"])[0].cluster.gpu.name == "H100-SXM5-80GB"
+    with pytest.raises(ProfileError, match="'h100-pcie' is the accelerator H100-PCIe-80GB: no node type .* holds it"):
+        get_node_type("h100-pcie")
+    with pytest.raises(ProfileError, match=r"unknown node type 'dgx-h10' \(did you mean dgx-h100"):
+        get_node_type("dgx-h10")

@@ -84,7 +84,7 @@ def make_plan(model, *, cuts: list[tuple[int, int]], pp: int, schedule: str, n_m
     mode, or (mode, how many of its layers from the first: ``StagePlan.recompute_layers``)."""
     units = unit_fqns(model)
     d = ParallelDegrees(pp=pp, dp=dp, tp=tp)
-    rec = [r if isinstance(r, tuple) else (r, None) for r in recompute or ("none",) * len(cuts)]
+    rec = [r if isinstance(r, tuple) else (r, -1) for r in recompute or ("none",) * len(cuts)]
     stages = tuple(
         StagePlan(index=i, pp_rank=i % pp, modules=tuple(f for u in units[lo:hi] for f in u), ranks=(),
                   recompute=rec[i][0], recompute_layers=rec[i][1])
@@ -385,12 +385,12 @@ def _check_case(name: str, case, per_rank: list[dict]) -> None:
 
 
 def _recompute_wanted(plan: Plan, family: str) -> dict[str, str]:
-    """Layer FQN -> the mode the plan asks for: a stage's first ``recompute_layers`` (None: all) layers."""
+    """Layer FQN -> the mode the plan asks for: a stage's first ``recompute_layers`` (-1: all) layers."""
     layers = unit_fqns(tiny_model(family))[1:-1]
     out = {}
     for st in plan.stages:
         mine = [u[0] for u in layers if u[0] in st.modules]
-        k = len(mine) if st.recompute_layers is None else st.recompute_layers
+        k = len(mine) if st.recompute_layers == -1 else st.recompute_layers
         out.update({f: st.recompute if i < k else "none" for i, f in enumerate(mine)})
     return out
 

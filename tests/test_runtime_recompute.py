@@ -4,6 +4,8 @@ pipelined and data-parallel cases run in tests/test_runtime_pp.py and tests/test
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -78,13 +80,14 @@ def test_plan_recompute_without_a_pipeline_sets_every_layer(mode):
 
 def test_recompute_layers_checkpoints_the_first_k_layers_of_the_stage():
     """pp = 1, 4 layers, recompute_layers=2: layers 0-1 run under checkpoint (their attention runs again in backward),
-    layers 2-3 keep their activations; loss and gradients equal the model without recomputation."""
+    layers 2-3 keep their activations; -1 and counts above the stage's layers mean all of them; loss and gradients
+    equal the model without recomputation."""
     from runtime.checkpointing import apply_stage_recompute, recompute_mode, transformer_layers
     from runtime.manual_plan import manual_plan
 
     ids, tgt = batches(2)[0]
     got = {}
-    for k in (None, 0, 2):
+    for k in (-1, 0, 2, 5):
         model = tiny_model("llama")
         stage = manual_plan(model, recompute="full", recompute_layers=k).stages[0]
         layers = transformer_layers(model)
@@ -94,18 +97,16 @@ def test_recompute_layers_checkpoints_the_first_k_layers_of_the_stage():
         loss.backward()
         got[k] = (done, [recompute_mode(model.get_submodule(f)) for f in layers], [calls[f] for f in layers],
                   loss.detach(), {n: p.grad for n, p in model.named_parameters()})
-    assert got[None][:3] == (layers, ["full"] * 4, [2, 2, 2, 2])
+    assert got[-1][:3] == got[5][:3] == (layers, ["full"] * 4, [2, 2, 2, 2])
     assert got[0][:3] == ([], ["none"] * 4, [1, 1, 1, 1])
     assert got[2][:3] == (layers[:2], ["full", "full", "none", "none"], [2, 2, 1, 1])
-    for k in (None, 2):
+    for k in (-1, 2):
         torch.testing.assert_close(got[k][3], got[0][3], rtol=0, atol=0)
         torch.testing.assert_close(got[k][4], got[0][4], rtol=RTOL, atol=ATOL)
-    with pytest.raises(PlanMismatchError, match="recompute_layers=5 but the stage runs 4 transformer layers"):
-        apply_stage_recompute(model, layer_fqns=layers, stage=manual_plan(model, recompute="full",
-                                                                          recompute_layers=5).stages[0])
 
 
 def test_plan_file_without_recompute_layers_recomputes_every_layer_of_the_stage():
+    from runtime.checkpointing import apply_stage_recompute
     from runtime.manual_plan import manual_plan
 
     model = tiny_model("llama")
@@ -115,10 +116,13 @@ def test_plan_file_without_recompute_layers_recomputes_every_layer_of_the_stage(
     assert Plan.from_dict(data) == plan
     for st in data["stages"]:
         del st["recompute_layers"]  # a plan file written before the field existed
-    assert [st.recompute_layers for st in Plan.from_dict(data).stages] == [None, None]
-    data["stages"][0]["recompute_layers"] = -1
-    with pytest.raises(PlanMismatchError, match="recompute_layers=-1 must be >= 0"):
+    assert [st.recompute_layers for st in Plan.from_dict(data).stages] == [-1, -1]
+    data["stages"][0]["recompute_layers"] = -2
+    with pytest.raises(PlanMismatchError, match="recompute_layers=-2 must be >= 0"):
         Plan.from_dict(data)
+    bad = dataclasses.replace(plan.stages[0], recompute_layers=-2)
+    with pytest.raises(PlanMismatchError, match="recompute_layers=-2 must be >= 0"):
+        apply_stage_recompute(model, layer_fqns=["model.layers.0"], stage=bad)
 
 
 def test_selective_recompute_is_refused_on_moe_layers():

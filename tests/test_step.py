@@ -273,3 +273,15 @@ def test_tensor_parallel_backward_counts_the_runtime_all_reduces():
         t = w.coster(layer, ctx)
         assert t.comm_fwd == pytest.approx({"nvswitch": fwd}), (fused, sp)
         assert t.comm_bwd == pytest.approx({"nvswitch": bwd}), (fused, sp)
+
+
+def test_pipeline_and_per_rank_rest_bound_the_step(gpt175, cluster64):
+    """``pipeline_s`` is the pipeline part of the step and ``stage_rest_s`` each rank's exposed data-parallel
+    traffic plus optimizer: the step is the pipeline plus the largest of each, so their sum bounds it below."""
+    for c in (cfg(), cfg(zero_stage=3, pp=4, dp=16), cfg(zero_stage=2, schedule="interleaved-1f1b", virtual_stages=2)):
+        est = estimate_step(gpt175, c, cluster64)
+        assert len(est.stage_rest_s) == c.pp and min(est.stage_rest_s) > 0
+        assert est.pipeline_s + max(est.stage_rest_s) <= est.step_time_s * (1 + 1e-12)
+        exposed = est.step_time_s - est.pipeline_s - est.breakdown_s["optimizer"]  # the largest exposed dp traffic
+        assert 0 <= exposed <= max(est.stage_rest_s)
+        assert est.breakdown_s["optimizer"] <= max(est.stage_rest_s)

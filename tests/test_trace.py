@@ -189,7 +189,7 @@ def test_cli_json_and_table(capsys):
     text = capsys.readouterr().out
     assert "traced 2 of 3 layers; 3 identical blocks" in text
     assert "model.decoder.layers.0-2" in text
-    assert main(["trace", "--model", "nonsense"]) == 1
+    assert main(["trace", "--model", "nonsense"]) == 2
     assert "unknown model spec" in capsys.readouterr().err
 
 

@@ -124,5 +124,5 @@ def test_bad_input_is_a_typed_error():
 def test_cli_registered_and_error_exit(capsys):
     from cli.main import main
 
-    assert main(["validate"]) == 1
+    assert main(["validate"]) == 2
     assert "nothing to validate" in capsys.readouterr().err

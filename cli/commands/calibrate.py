@@ -49,7 +49,7 @@ class _Bar:
 
 
 def run(args: argparse.Namespace) -> int:
-    from costmodel.calibration import save_calibration
+    from cli.calibration_file import save_calibration
     from runtime.measure.calibrate import run_calibration  # the CLI is the edge that may compose runtime
 
     bar = None if args.no_progress else _Bar()

@@ -7,10 +7,12 @@ import dataclasses
 import json
 import sys
 
+from cli.exit import EXIT_NO, EXIT_OK
 from costmodel.errors import ConfigError
 
 NAME = "estimate"
-HELP = "predict step time, throughput, MFU and memory of one given configuration (tp/pp/dp/cp/ep, schedule, ...)"
+HELP = ("predict step time, throughput, MFU and memory of one given configuration (tp/pp/dp/cp/ep, schedule, ...); "
+        "exits 1 when it does not fit in device memory")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 
 
@@ -126,4 +128,4 @@ def run(args: argparse.Namespace) -> int:
     if not est.fits:
         print(f"autopar estimate: the configuration needs {est.memory_gb_per_device:.1f} GB per device, more than "
               f"the {est.memory_limit_gb:.0f} GB it has", file=sys.stderr)
-    return 0
+    return EXIT_OK if est.fits else EXIT_NO

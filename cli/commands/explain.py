@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import sys
 from pathlib import Path
 
 NAME = "explain"
@@ -13,18 +16,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("plan", type=Path, help="a plan JSON written by `autopar plan --out`")
     p.add_argument("--gantt", type=Path, default=None, metavar="PNG",
                    help="also draw the pipeline schedule (per stage and micro-batch) and memory per stage")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (stages, time and memory breakdowns with shares, alternatives)")
 
 
 def run(args: argparse.Namespace) -> int:
     from planner.plan import load_plan
 
     plan = load_plan(args.plan)
-    print(explain(plan))
+    print(json.dumps(to_dict(plan), indent=1) if args.json else explain(plan))
     if args.gantt:
         from planner.plots import plot_gantt
 
-        print(f"wrote {plot_gantt(plan, args.gantt)}")
+        print(f"wrote {plot_gantt(plan, args.gantt)}", file=sys.stderr if args.json else sys.stdout)
     return 0
+
+
+def to_dict(plan) -> dict:
+    """The --json object: what ``explain`` prints, as numbers (shares of the step time in 0..1)."""
+    pr, st = plan.prediction, plan.solver
+    total = sum(pr.breakdown_s.values())
+    return {
+        "model": plan.model.name, "cluster": plan.cluster.name, "devices": plan.cluster.num_devices,
+        "gpu": plan.cluster.gpu, "degrees": dataclasses.asdict(plan.degrees), "zero_stage": plan.zero_stage,
+        "sequence_parallel": plan.sequence_parallel, "schedule": dataclasses.asdict(plan.schedule),
+        "step_time_s": pr.step_time_s, "tokens_per_s": pr.tokens_per_s, "mfu": pr.mfu,
+        "memory_gb_per_device": pr.memory_gb_per_device, "fits": pr.fits, "bottleneck": pr.bottleneck,
+        "stages": [{"chunk": s.index, "pp_rank": s.pp_rank, "ranks": list(s.ranks), "gpu": s.gpu,
+                    "recompute": s.recompute, "time_per_microbatch_s": s.predicted_time_s,
+                    "memory_gb": s.predicted_memory_gb, "modules": list(s.modules)} for s in plan.stages],
+        "breakdown": [{"term": k, "time_s": v, "share": v / total if total > 0 else 0.0}
+                      for k, v in sorted(pr.breakdown_s.items(), key=lambda kv: (-kv[1], kv[0]))],
+        "memory_breakdown_gb": dict(pr.memory_breakdown_gb),
+        "alternatives": [{**dataclasses.asdict(a), "slower": a.step_time_s / pr.step_time_s - 1
+                          if pr.step_time_s > 0 else None} for a in plan.alternatives],
+        "search": {"status": st.status, "structures_explored": st.candidates_explored, "objective_s": st.objective,
+                   "bound_s": st.bound, "gap": st.gap},
+    }
 
 
 def _ranks(ranks) -> str:

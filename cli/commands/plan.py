@@ -21,7 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
     p.add_argument("--time-limit", type=float, default=None, metavar="SEC",
-                   help="bound the search; the best plan so far is returned, marked 'feasible'")
+                   help="bound the search, counted once the model is traced; the best plan so far is returned, "
+                   "marked 'feasible', with the bound of what was not explored")
     p.add_argument("--fix", default=None, metavar="K=V,...",
                    help="pin choices: tp, pp, dp, cp, ep, mb, schedule, v, recompute, zero, sp (e.g. tp=8,pp=4)")
     p.add_argument("--profile", default=None, metavar="CALIBRATION", help="calibration file from `autopar calibrate`")
@@ -37,12 +38,13 @@ class _Progress:
     def __init__(self, stream) -> None:
         self.stream = stream
         self.last = 0.0
+        self.phase = ""
 
     def __call__(self, phase: str, done: int, total: int, best_s: float) -> None:
         now = time.perf_counter()
-        if done < total and now - self.last < 0.5:
+        if done < total and now - self.last < 0.5 and phase == self.phase:
             return
-        self.last = now
+        self.last, self.phase = now, phase
         best = "none fits yet" if not math.isfinite(best_s) else f"best {best_s:.4g} s/step"
         print(f"autopar plan: {phase} {done}/{total} structures, {best}", file=self.stream, flush=True)
 
@@ -97,5 +99,5 @@ def summary(plan) -> str:
         f"time        {parts}",
         f"search      {st.status}, {st.candidates_explored} structures explored, objective {st.objective:.4g} s, "
         f"bound {st.bound:.4g} s, gap {100 * st.gap:.1f}%" + (f"; phases (s): {phases}" if phases else ""),
-    ]
+    ] + ([f"proven      {st.proven}"] if st.proven else [])
     return "\n".join(lines)

@@ -19,11 +19,15 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import sys
 from pathlib import Path
 
+from cli.exit import EXIT_NO, EXIT_OK
+
 NAME = "validate"
-HELP = "run plans for a few steps on local ranks; measured step time / memory vs the plan's predictions"
+HELP = ("run plans for a few steps on local ranks; measured step time / memory vs the plan's predictions; exits 1 "
+        "when a plan's measured step time is more than 20 percent off its prediction")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("plans", nargs="*", type=Path, help="plan JSON files (from `autopar plan --cluster local`)")
@@ -46,6 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                    help="compute dtype; auto (default): bf16 (what the planner prices) when the calibration's bf16 "
                    "matmuls are at least as fast as its fp32 ones, else fp32 (priced with the fp32 fit alone)")
+    p.add_argument("--json", action="store_true", help="print the rows as one JSON object (the table goes to stderr)")
 
 
 def build_model_for(spec: str, batch: int, seq: int):
@@ -88,8 +93,8 @@ def _label(plan) -> str:
 def _calibrate(args: argparse.Namespace) -> Path:
     import tempfile
 
+    from cli.calibration_file import save_calibration
     from cli.commands.calibrate import dispatch_model
-    from costmodel.calibration import save_calibration
     from runtime.measure.calibrate import run_calibration
 
     print(f"autopar validate: quick calibration on {args.gpus_per_node} ranks first ...", file=sys.stderr, flush=True)
@@ -123,8 +128,8 @@ def _measured_row(args: argparse.Namespace, plan, *, cal, dtype: str, threads: i
 def run(args: argparse.Namespace) -> int:
     import os
 
-    from costmodel.calibration import load_calibration
     from costmodel.errors import ConfigError
+    from costmodel.profiles import load_calibration
     from planner.reprice import calibration_for
     from runtime.measure.calibrate import latest_calibration
     from runtime.measure.validate import compute_dtype
@@ -140,9 +145,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"autopar validate: {len(plans)} plan(s), calibration {profile or 'none'}, {threads} thread(s) per rank, "
           f"{args.warmup} warm-up + {args.steps} measured steps, compute {dtype}", file=sys.stderr)
     rows = []
+    out = sys.stderr if args.json else sys.stdout
     for plan in plans:
         rows.append(_measured_row(args, plan, cal=cal, dtype=dtype, threads=threads))
-        print(_format([rows[-1]], header=len(rows) == 1), flush=True)
+        print(_format([rows[-1]], header=len(rows) == 1), flush=True, file=out)
     if not rows:
         raise ConfigError("no plans measured")
     world = plans[-1].degrees.world_size
@@ -151,14 +157,16 @@ def run(args: argparse.Namespace) -> int:
         shared = (f"; the cost model prices each rank at {cal.rank_share(world):.2f}x the calibrated rate "
                   f"(measured with {cal.concurrent_ranks} process(es) at once)")
     print(f"machine: {world} ranks on {os.cpu_count()} cores, load average {load_before:.1f} before / "
-          f"{os.getloadavg()[0]:.1f} after the runs{shared}")
+          f"{os.getloadavg()[0]:.1f} after the runs{shared}", file=out)
     within = sum(1 for r in rows if abs(r["error"]) <= 0.20)
     print(f"{within} of {len(rows)} plans within 20% of the predicted step time (meas s: the median step, best s: the "
-          "fastest, each the slowest rank's time)")
+          "fastest, each the slowest rank's time)", file=out)
     for r in rows:
         parts = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r["breakdown_s"].items() if v > 0)
-        print(f"  predicted ms {r['plan']}: {parts}")
-    return 0
+        print(f"  predicted ms {r['plan']}: {parts}", file=out)
+    if args.json:
+        print(json.dumps({"rows": rows, "within_tolerance": within, "tolerance": 0.20}, indent=1))
+    return EXIT_OK if within == len(rows) else EXIT_NO
 
 
 def _row(plan, got) -> dict:

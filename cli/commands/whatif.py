@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from cli.exit import EXIT_INTERRUPTED, EXIT_OK
 from costmodel.errors import ConfigError
 
 NAME = "whatif"
@@ -45,42 +46,57 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", type=Path, default=None, metavar="DIR", help="write PNG charts into DIR")
     p.add_argument("--jobs", type=int, default=None, help="worker processes (default: CPU count)")
     p.add_argument("--time-limit", type=float, default=None, metavar="S", help="planning time limit per cluster (s)")
+    p.add_argument("--fix", default=None, metavar="K=V,...",
+                   help="pin choices on every cluster, as `autopar plan --fix` (e.g. tp=8,pp=2)")
     p.add_argument("--cache-dir", type=Path, default=None, help="outcome cache (default ~/.cache/autopar/whatif)")
     p.add_argument("--no-cache", action="store_true", help="plan every cluster again, write nothing to the cache")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 class _Progress:
-    """A one-line progress bar on stderr (plain lines when stderr is not a terminal)."""
+    """A tqdm bar on stderr, one step per finished cluster, with the last cluster's outcome."""
 
-    def __init__(self, stream) -> None:
-        self.stream = stream
-        self.tty = stream.isatty()
+    def __init__(self, total: int, *, enabled: bool) -> None:
+        from tqdm import tqdm  # commands import their libraries when they run: `autopar --help` stays fast
+
+        self.bar = tqdm(total=total, file=sys.stderr, unit="cluster", desc="autopar whatif", disable=not enabled)
 
     def __call__(self, done: int, total: int, row: dict) -> None:
-        width = 30
-        filled = int(width * done / total)
         step = row.get("step_time_s")
-        what = f"{row['status']}" + (f" {step:.3g} s/step" if isinstance(step, float) and math.isfinite(step) else "")
-        line = f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {row['cluster']}: {what}"
-        if self.tty:
-            self.stream.write("\r\x1b[K" + line + ("\n" if done == total else ""))
-        else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
+        what = row["status"] + (f" {step:.4g} s/step" if isinstance(step, float) and math.isfinite(step) else "")
+        self.bar.set_postfix_str(f"{row['cluster']}: {what}", refresh=False)
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _cell(column: str, v) -> str:
+    """One table cell, as ``autopar plan`` prints numbers: tokens/s whole with thousands separators, MFU in
+    percent, GB and days to 0.1, dollars whole from $1,000, to the cent below, 3 digits below $1; missing
+    values as '-'."""
+    import pandas as pd
+
+    if v is None or (not isinstance(v, str) and pd.isna(v)):
+        return "-"
+    if column == "tokens_per_s":
+        return f"{v:,.0f}"
+    if column == "mfu":
+        return f"{100 * v:.1f}%"
+    if column in ("memory_gb", "memory_gb_needed", "train_days"):
+        return f"{v:,.1f}"
+    if column in ("usd_per_mtok", "train_cost_usd"):
+        return f"${v:,.0f}" if v >= 1000 else f"${v:,.2f}" if v >= 1 else f"${v:.3g}"
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
 def format_table(table) -> str:
-    """The main columns as text; missing values as '-', floats to 4 significant digits."""
+    """The main columns as text (units in the column names, as in the CSV and JSON)."""
     import pandas as pd
 
     shown = table[[c for c in _SHOWN if c in table.columns]].dropna(axis=1, how="all")
-
-    def cell(v) -> str:
-        if v is None or (not isinstance(v, str) and pd.isna(v)):
-            return "-"
-        return f"{v:.4g}" if isinstance(v, float) else str(v)
-
-    return shown.map(cell).to_string(index=False)
+    cells = pd.DataFrame({c: [_cell(c, v) for v in shown[c]] for c in shown.columns})
+    return cells.to_string(index=False)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -91,8 +107,13 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--nodes applies to --cluster; in a sweep give nodes=N1,N2 instead")
     jobs = args.jobs or min(len(cases), os.cpu_count() or 1)
     cache = None if args.no_cache else (args.cache_dir or default_cache_dir())
-    result = run_whatif(args.model, cases, global_batch=args.global_batch, seq=args.seq, tokens=args.tokens,
-                        time_limit_s=args.time_limit, jobs=jobs, cache_dir=cache, on_result=_Progress(sys.stderr))
+    progress = _Progress(len(cases), enabled=not args.no_progress)
+    try:
+        result = run_whatif(args.model, cases, global_batch=args.global_batch, seq=args.seq, tokens=args.tokens,
+                            time_limit_s=args.time_limit, fix=args.fix, jobs=jobs, cache_dir=cache,
+                            on_result=progress)
+    finally:
+        progress.close()
     table = result.table
     if args.csv:
         table.to_csv(args.csv, index=False)
@@ -108,4 +129,4 @@ def run(args: argparse.Namespace) -> int:
     bad = int((table["status"] != "ok").sum())
     print(f"{len(table)} of {len(cases)} clusters in {result.elapsed_s:.1f} s ({bad} without a feasible plan)"
           + ("; interrupted: finished rows only" if result.interrupted else ""), file=sys.stderr)
-    return 130 if result.interrupted else 0
+    return EXIT_INTERRUPTED if result.interrupted else EXIT_OK

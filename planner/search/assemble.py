@@ -28,10 +28,6 @@ def cluster_info(cluster: Any) -> ClusterInfo:
     )
 
 
-def flops_per_step(workload: Any, global_batch: int) -> float:
-    return float((workload.flops_fwd_per_seq + workload.flops_bwd_per_seq) * global_batch)
-
-
 def _intra_op_stats(stats: Mapping[str, Any]) -> dict[str, float]:
     out = {k: float(stats[k]) for k in ("blocks", "distinct_solutions", "max_gap") if k in stats}
     out.update({status: float(n) for status, n in sorted(dict(stats.get("statuses", {})).items())})
@@ -55,21 +51,29 @@ def stage_plans(
     chunk_times = _chunk_times(workload, candidate.stage_layers, times, s.pp)
     devices = tuple(getattr(est, "stage_device", ()) or ())
     out, start = [], 0
+    counts = candidate.knobs.recompute_layers
     for c, n in enumerate(candidate.stage_layers):
         r = c % s.pp
         ranks = tuple(range(r * per_rank, (r + 1) * per_rank))
+        k = 0 if candidate.knobs.recompute == "none" else _recomputed(workload.layers[start : start + n], counts, c)
         out.append(StagePlan.placed(
             c,
             pp=s.pp,
             world_size=cluster.num_devices,
             modules=tuple(m for group in names[start : start + n] for m in group),
-            recompute=candidate.knobs.recompute,
+            recompute=candidate.knobs.recompute if k > 0 else "none",  # a chunk that recomputes nothing says so
+            recompute_layers=k,
             gpu=devices[r] if len(devices) == s.pp else cluster.group_of_rank(ranks[0]).node.gpu.name,
             predicted_time_s=chunk_times[c],
             predicted_memory_gb=float(mems[r]) if len(mems) == s.pp else float(est.memory_gb_per_device),
         ))
         start += n
     return tuple(out)
+
+
+def _recomputed(entries: Sequence[Any], counts: Sequence[int] | None, chunk: int) -> int:
+    """Recomputed layers of a chunk: the searched count, or all its recomputable entries."""
+    return sum(1 for e in entries if e.recomputable) if counts is None else int(counts[chunk])
 
 
 def _chunk_times(workload: Any, stage_layers: Sequence[int], times: Sequence[float], pp: int) -> list[float]:
@@ -128,6 +132,7 @@ def build_plan(
         bound=bound,
         gap=gap,
         candidates_explored=int(result.candidates_explored),
+        proven=str(getattr(result, "proven", "")),
         intra_op=_intra_op_stats(intra_op or {}),
     )
     alternatives = tuple(

@@ -72,13 +72,18 @@ def _middle_first(n: int) -> list[int]:
 
 
 def _split_by_positions(kinds: Sequence[str], per: Sequence[int]) -> tuple[int, ...]:
-    counts, seen, c = [0] * len(per), 0, 0
-    for k in kinds:
-        counts[c] += 1
+    """Entries per chunk for ``per[c]`` transformer layers in chunk ``c``: other entries stay with the layer
+    before them (the leading ones in chunk 0, the trailing ones in the last chunk, which may hold no layer)."""
+    counts, c, have = [0] * len(per), 0, 0
+    last = max((i for i, k in enumerate(kinds) if k == "transformer"), default=-1)
+    for i, k in enumerate(kinds):
         if k == "transformer":
-            seen += 1
-            if seen == sum(per[: c + 1]) and c < len(per) - 1:
-                c += 1
+            while have >= per[c] and c < len(per) - 1:
+                c, have = c + 1, 0
+            have += 1
+        elif i > last:
+            c = len(per) - 1
+        counts[c] += 1
     return tuple(counts)
 
 
@@ -271,8 +276,12 @@ def _count_problem(lc: LinearCosts, kinds: Sequence[str], *, pp: int, v: int, m:
     weight[-1] = 0.0  # the last rank's largest chunk adds no fill / drain (costmodel.pipeline)
     if schedule == "zero-bubble":
         weight *= _bubble_share(lc, kinds, pp=pp, v=v, est_a=est_a)
+    lows = [1] * (pp * v)
+    lows[0] = 0 if not is_tr[0] else 1  # the embedding's chunk may hold nothing else
+    lows[-1] = 0 if not is_tr[-1] else 1  # nor the head's
     return CountProblem(
         num_layers=n, virtual_stages=v, layer_time_s=tuple((lc.unit_s * layer_work).tolist()),
+        min_per_chunk=tuple(lows),
         chunk_time_s=tuple(chunk_s.tolist()), pace=float(m), bubble_weight=tuple(weight.tolist()),
         rank_bytes=tuple(lc.rank_gb.tolist()),
         layer_bytes=tuple((float(lc.static_gb[is_tr].mean()) + np.asarray(inflight, float) * float(

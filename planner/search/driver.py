@@ -1,37 +1,33 @@
-"""The planner's search: loop the space, price with the step model, cut stages, assemble the Plan.
+"""The planner's search: bound every structure, explore them in bound order, search the cuts that could win.
 
-Phases (each timed in ``SolverStats.time_per_phase_s``):
+Phases (each timed in ``SearchResult.time_per_phase_s``):
 
-1. ``trace``: the model spec becomes a ``Workload`` (``planner.workload``, cached) unless one is given.
-2. ``enumerate``: ``space.enumerate_structures`` lists the valid structures (tp, cp, ep, pp, dp, micro-batch,
-   schedule, virtual stages); each gets a lower bound on its step time: the larger of perfect compute at peak
-   (``space.step_time_lower_bound_s``) and the pipeline bound from its group's summed layer times
-   (``space.pipeline_lower_bound_s``, one step-model call per (tp, cp, ep, micro-batch) group), valid for any
-   cuts and knobs. Structures are sorted by it.
-3. ``screen``: branch and bound. Each structure gets its best knobs (recompute, ZeRO, sequence parallel) by the
-   dominance ladder of ``_best_knobs`` with even stages; the loop stops when a structure's lower bound
-   reaches the best step time found (all later ones have larger bounds).
-4. ``stage_dp``: for the best pipelined structures (within ``dp_margin`` of the best, at most ``dp_top_k``,
-   bound below the best), the stage DP (GPipe / 1F1B) or the layer-count DP (interleaved 1F1B, zero-bubble)
-   proposes uneven cuts (embedding and LM head weigh in, each rank at its node group's speed, memory with the
-   schedule's in-flight micro-batches and each rank's own limit), each priced again by the step model with
-   its own knob ladder.
+1. ``enumerate``: ``space.enumerate_structures`` lists every structure (tp, cp, ep, pp, dp, every micro-batch
+   size dividing ``global_batch / dp``, schedule, up to ``layers / pp`` virtual stages), each with the
+   perfect-compute bound ``space.step_time_lower_bound_s``.
+2. ``explore``: branch and bound, the least bound first. A structure reached with its cheap bound gets the
+   tight one, valid for every cut, knob and recompute count (``bounds.structure_bound_s`` on the layer costs
+   read off one estimate per (tp, cp, ep, micro-batch, sequence parallel) group, per pp too on a heterogeneous
+   cluster) and goes back in line; reached with it, it is priced with even cuts and its best knobs
+   (``knobs.best_knobs``: ZeRO, sequence parallel, recomputation and its per-chunk layer counts), until the least
+   bound left reaches the best step time found: nothing left can win (pruned).
+3. ``cuts``: every explored pipeline whose bound is below the best step time: every cut whose own bound is
+   below it (``bounds.rank_counts_below``) is priced with its own knobs, best bound first; the best step time
+   falls as cuts win, which prunes the rest. With more than ``cut_vectors_limit`` count vectors to look at, or
+   transformer layers that differ (and more than ``exhaustive_cuts`` cuts), the DPs of ``cuts`` propose a cut
+   and the structure stays open.
 
-``status="optimal"`` means: every structure was screened or pruned by its bound, under the dominance rules of
-``space`` (each checked against the step model in ``tests/test_search.py``); uneven cuts are searched among the
-``dp_top_k`` best structures by the stage DP for GPipe / 1F1B pipelines (v = 1) and by the layer-count DP for
-interleaved 1F1B and zero-bubble (``cuts``; exact for identical transformer layers), or by ``exhaustive_cuts``
-enumeration. On a heterogeneous cluster each stage is priced on its own node group's accelerator, so the cuts
-give the faster groups more layers.
-5. ``intra_op``: the per-block sharding of the chosen configuration (engineer P1's ILP).
-
-Anytime: with ``time_limit_s`` the loop stops when the time is up (after at least one plan that fits) and the
-plan is marked ``status="feasible"`` with ``bound`` the least lower bound of what was not explored. Same inputs
-give the same plan: every loop runs in a fixed order and ties break on the structure's sort key.
+``bound_s`` is the least of the best step time and the bounds of the open structures (cut by a DP only, or not
+reached before ``time_limit_s``); ``status`` is ``"optimal"`` when none is open, else ``"feasible"``, and
+``proven`` says which space was covered. The bounds rest on properties of the step model that
+``tests/test_search.py`` checks on ``costmodel.step``: a rank's time is the sum of its entries' times (so one
+estimate gives per-layer costs), recomputation and ZeRO only add time, the rest of a step is not negative.
+Same inputs give the same plan: every loop runs in a fixed order and ties break on the structure's sort key.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import math
@@ -40,38 +36,17 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
 from costmodel.errors import AutoparError, ConfigError, InfeasiblePlanError
+from planner.search import bounds as bd
 from planner.search import space as sp
 from planner.search.cuts import even_split, propose_cuts, propose_interleaved_cuts
+from planner.search.knobs import Candidate, best_knobs, make_config
+
+__all__ = ["Candidate", "SearchResult", "make_config", "plan_model", "search"]
 
 log = logging.getLogger(__name__)
 
 Estimator = Callable[..., Any]
 Progress = Callable[[str, int, int, float], None]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Candidate:
-    structure: sp.Structure
-    knobs: sp.Knobs
-    estimate: Any
-    stage_layers: tuple[int, ...]
-    uneven: bool = False
-    """The cuts came from the stage DP (otherwise the even split)."""
-
-    @property
-    def step_time_s(self) -> float:
-        return float(self.estimate.step_time_s)
-
-    @property
-    def fits(self) -> bool:
-        return bool(self.estimate.fits)
-
-    def key(self) -> tuple:
-        return (self.step_time_s, self.structure, self.knobs, self.uneven, self.stage_layers)
-
-    def summary(self) -> str:
-        cut = " cuts=" + "/".join(map(str, self.stage_layers)) if self.uneven else ""
-        return f"{self.structure.summary()} {self.knobs.summary()}{cut}"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -81,22 +56,20 @@ class SearchResult:
     status: str
     bound_s: float
     candidates_explored: int
+    """Structures priced (the others were pruned by their bound or not reached)."""
     evaluations: int
     refined: int = 0
+    """Pipelines whose uneven cuts were searched."""
+    proven: str = ""
+    """Which space ``bound_s`` and ``status`` cover, in words."""
     time_per_phase_s: dict[str, float] = field(default_factory=dict)
 
 
-def make_config(structure: sp.Structure, knobs: sp.Knobs, *, global_batch: int, config_type: Any = None):
-    """The step model's ``ParallelConfig`` (or ``config_type``, same fields) for a structure and knobs."""
-    if config_type is None:
-        from costmodel.step import ParallelConfig as config_type
-
-    s = structure
-    return config_type(
-        tp=s.tp, pp=s.pp, dp=s.dp, cp=s.cp, ep=s.ep, microbatch=s.microbatch, global_batch=global_batch,
-        schedule=s.schedule, virtual_stages=s.virtual_stages, recompute=knobs.recompute,
-        sequence_parallel=knobs.sequence_parallel, zero_stage=knobs.zero_stage,
-    )
+@dataclass(frozen=True, slots=True)
+class _Group:
+    costs: bd.RankCosts | None
+    total_s: float | None
+    """Summed rank times of the probe (the same for every cut on a homogeneous cluster)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -110,10 +83,15 @@ class _Ctx:
     deadline: float | None
     progress: Progress | None
     config_type: Any = None
+    layout: bd.Layout | None = None
+    ideal_s: float = 0.0
     evaluations: int = 0
     least_infeasible_gb: float = math.inf
     cache: dict = field(default_factory=dict)
-    group_time_s: dict = field(default_factory=dict)
+    groups: dict = field(default_factory=dict)
+    probes: dict = field(default_factory=dict)
+    """Group key -> the structure whose estimate reads the group's costs (its largest pp)."""
+    states_gb: dict = field(default_factory=dict)
 
     def price(self, structure: sp.Structure, knobs: sp.Knobs, stage_layers=None) -> Any | None:
         key = (structure, knobs, stage_layers)
@@ -127,9 +105,16 @@ class _Ctx:
             log.debug("skip %s %s: %s", structure.summary(), knobs.summary(), e)
             est = None
         if est is not None and not est.fits:
-            self.least_infeasible_gb = min(self.least_infeasible_gb, float(est.memory_gb_per_device))
+            self.note_infeasible(float(est.memory_gb_per_device))
         self.cache[key] = est
         return est
+
+    def note_infeasible(self, gb: float) -> None:
+        self.least_infeasible_gb = min(self.least_infeasible_gb, gb)
+
+    @property
+    def hetero(self) -> bool:
+        return len(self.cluster.groups) > 1
 
     @property
     def memory_limit_gb(self) -> float:
@@ -144,9 +129,15 @@ class _Ctx:
 
     def states_lower_bound_gb(self, structure: sp.Structure, zero_stage: int) -> float:
         """Weights + gradients + optimizer state of the average pipeline rank (the fullest holds at least that)
-        plus the allocator reserve on them: a lower bound on the step model's memory per device."""
+        plus the allocator reserve on them: a lower bound on the step model's memory per device, any cut."""
         from costmodel.memory import memory_estimate, model_state_bytes
 
+        key = (structure.tp, structure.cp, structure.ep, structure.pp, structure.dp, zero_stage)
+        if key not in self.states_gb:
+            self.states_gb[key] = self._states_gb(structure, zero_stage, memory_estimate, model_state_bytes)
+        return self.states_gb[key]
+
+    def _states_gb(self, structure, zero_stage, memory_estimate, model_state_bytes) -> float:
         s, w = structure, self.workload
         dense = sum(l.params - l.expert_params for l in w.layers) / (s.tp * s.pp)
         expert = sum(l.expert_params for l in w.layers) / (s.tp * s.ep * s.pp)
@@ -156,207 +147,227 @@ class _Ctx:
             terms = {k: terms[k] + ex[k] for k in terms}
         return memory_estimate(terms).total_gb
 
-    def layer_time_sum_s(self, structure: sp.Structure, knobs: sp.Knobs) -> tuple[float, float | None] | None:
-        """Forward + backward seconds of one micro-batch through all layers (summed over pipeline ranks) for
-        the structure's (tp, cp, ep, micro-batch) and the knobs' recomputation / sequence parallelism. The step
-        model's layer times do not depend on pp, dp, the schedule or the cuts (tests check this), so one
-        estimate per group serves every structure in it.
-
-        Returns ``(T, None)``, or on a heterogeneous cluster, whose ranks run at different speeds (and where
-        which ranks share a group depends on pp, so pp joins the key), ``(T, least)``: ``T`` as if the layers
-        were spread over the ranks in proportion to their speeds, ``least`` as if all ran at the fastest
-        rank's speed (``space.pipeline_lower_bound_s``)."""
-        s = structure
-        group = (s.tp, s.cp, s.ep, s.microbatch, knobs.recompute, knobs.sequence_parallel)
-        hetero = len(self.cluster.groups) > 1
-        group += (s.pp,) if hetero else ()
-        if group not in self.group_time_s:
-            cuts = self.even_cuts(s)
-            est = self.price(s, knobs, cuts)
-            if est is None:
-                self.group_time_s[group] = None
-            elif hetero:
-                self.group_time_s[group] = _speed_weighted_sums(self.workload, self.cluster, est, cuts, s.pp)
-            else:
-                self.group_time_s[group] = (float(sum(est.stage_time_s)), None)
-        return self.group_time_s[group]
-
     def even_cuts(self, structure: sp.Structure) -> tuple[int, ...] | None:
         """Explicit even cuts, so that the plan's stages are exactly the ones priced."""
         return even_split([l.kind for l in self.workload.layers], structure.pp * structure.virtual_stages)
+
+    def sp_choices(self, structure: sp.Structure) -> list[bool]:
+        knobs = sp.knob_choices(structure, options=self.options, fix=self.fix)
+        return sorted({k.sequence_parallel for k in knobs})
+
+    def group_key(self, s: sp.Structure, spar: bool) -> tuple:
+        return (s.tp, s.cp, s.ep, s.microbatch, spar) + ((s.pp,) if self.hetero else ())
 
     def expired(self) -> bool:
         return self.deadline is not None and time.perf_counter() > self.deadline
 
 
-def _speed_weighted_sums(workload: Any, cluster: Any, est: Any, cuts: Sequence[int],
-                         pp: int) -> tuple[float, float | None]:
-    """``(T, least)`` of ``layer_time_sum_s`` from one estimate of a heterogeneous cluster: each rank's speed
-    (FLOPs per second at the even cut) and the work of all ranks.
+# --- bounds ------------------------------------------------------------------------------------------------
 
-    An accelerator's speed is the fastest of its ranks that hold neither the embedding nor the head (their
-    memory-bound time would understate it). One whose ranks all hold one of them (the first or the last rank)
-    takes the larger of its own reading and any other rank's scaled by the ratio of dense peaks: an upper
-    bound when the step model's faster device gains at most its peak ratio, as it does, so the bound stays
-    below what any cut reaches."""
-    times = [float(t) for t in est.stage_time_s]
-    devices = tuple(getattr(est, "stage_device", ()) or ())
-    peak = {g.node.gpu.name: g.node.gpu.tflops("bf16") for g in cluster.groups}
-    if len(set(devices)) <= 1 or len(times) != pp or not set(devices) <= set(peak) or min(times) <= 0:
-        return float(sum(times)), None
-    owner = [c % pp for c, n in enumerate(cuts) for _ in range(n)]
-    work = [0.0] * pp
-    for layer, r in zip(workload.layers, owner):
-        work[r] += float(layer.flops_fwd + layer.flops_bwd)
-    measured = [work[r] / times[r] for r in range(pp)]
-    speed: dict[str, float] = {}
-    for d in set(devices):
-        clean = [measured[r] for r in range(1, pp - 1) if devices[r] == d]
-        if clean:
-            speed[d] = max(clean)
+
+def _group(ctx: _Ctx, s: sp.Structure, spar: bool) -> _Group:
+    """The layer costs of ``s``'s group, read off one estimate (no recomputation, ZeRO-0) of its probe."""
+    key = ctx.group_key(s, spar)
+    if key not in ctx.groups:
+        probe = ctx.probes.get(key, s)
+        knobs = sp.Knobs(sequence_parallel=spar)
+        cuts = ctx.even_cuts(probe)
+        est = ctx.price(probe, knobs, cuts) if cuts is not None else None
+        if est is None:
+            ctx.groups[key] = _Group(None, None)
         else:
-            speed[d] = max(measured[r] * peak[d] / peak[devices[r]] for r in range(pp))
-    total = sum(work)
-    return pp * total / sum(speed[d] for d in devices), total / max(speed.values())
+            costs = None
+            if ctx.layout is not None:
+                costs = bd.read_rank_costs(layout=ctx.layout, stage_layers=cuts, estimate=est, pp=probe.pp,
+                                           price=lambda c: ctx.price(probe, knobs, c))
+            cut_free = not ctx.hetero or probe.pp == 1  # the summed rank times are the same for every cut
+            ctx.groups[key] = _Group(costs, float(sum(est.stage_time_s)) if cut_free else None)
+    return ctx.groups[key]
 
 
-def _level_bound_s(ctx: _Ctx, structure: sp.Structure, knobs: Sequence[sp.Knobs], level: str) -> float:
-    """Lower bound on the step time of ``structure`` with recomputation ``level`` (any zero stage, any cuts)."""
-    sums = []
-    for sp_on in sorted({k.sequence_parallel for k in knobs if k.recompute == level}):
-        probe = next(k for k in knobs if k.recompute == level and k.sequence_parallel == sp_on)
-        t = ctx.layer_time_sum_s(structure, probe)
-        if t is not None:
-            sums.append(t)
-    if not sums:
-        return math.inf
-    return min(sp.pipeline_lower_bound_s(structure, layer_time_sum_s=t, least_sum_s=least) for t, least in sums)
+def _costs(ctx: _Ctx, s: sp.Structure, spar: bool) -> bd.RankCosts | None:
+    g = _group(ctx, s, spar)
+    if g.costs is None or ctx.hetero:
+        return g.costs  # a heterogeneous cluster's groups are per pp
+    return replace(g.costs, layer_s=(g.costs.layer_s[0],) * s.pp)
 
 
-def structure_bound_s(ctx: _Ctx, structure: sp.Structure) -> float:
-    """The best lower bound on any plan of ``structure``: its fastest recomputation level's pipeline bound."""
-    knobs = sp.knob_choices(structure, options=ctx.options, fix=ctx.fix)
-    levels = [r for r in sp.RECOMPUTE_ORDER if any(k.recompute == r for k in knobs)]
-    if not knobs or ctx.even_cuts(structure) is None:
-        return math.inf
-    return _level_bound_s(ctx, structure, knobs, levels[0])
+def _sp_bounds(ctx: _Ctx, s: sp.Structure, cuts: tuple[int, ...] | None = None) -> dict[bool, float]:
+    """Per sequence-parallel choice, a lower bound on ``s`` at ``cuts`` (None: over every cut)."""
+    cheap = sp.step_time_lower_bound_s(s, ideal_step_s=ctx.ideal_s)
+    m, v = s.num_microbatches, s.virtual_stages
+    out = {}
+    for spar in ctx.sp_choices(s):
+        costs, total = _costs(ctx, s, spar), _group(ctx, s, spar).total_s
+        if costs is not None and cuts is not None:
+            b = bd.cut_bound_s(costs, bd.transformer_counts(ctx.layout, cuts), schedule=s.schedule, v=v, m=m)
+        elif costs is not None:
+            b = bd.structure_bound_s(costs, schedule=s.schedule, v=v, m=m)
+        elif total is not None:
+            b = m * total if s.pp == 1 else sp.pipeline_lower_bound_s(s, layer_time_sum_s=total)
+        else:
+            b = -math.inf
+        out[spar] = max(cheap, b)
+    return out
 
 
-def _best_knobs(
-    ctx: _Ctx, structure: sp.Structure, cuts: tuple[int, ...] | None = None, *, uneven: bool = False,
-    best_s: float = math.inf,
-) -> tuple[Candidate | None, list[Candidate]]:
-    """Fastest fitting knobs by dominance. Recomputation only adds time, so once (r, zero, sp) fits,
-    (r', zero, sp) with r' recomputing more cannot be faster and is not priced; a recomputation level whose
-    pipeline bound reaches ``best_s`` is not priced at all; a ZeRO stage whose model states alone exceed the
-    device memory is skipped. Returns the best fitting candidate (or None) and everything priced."""
-    knobs = sp.knob_choices(structure, options=ctx.options, fix=ctx.fix)
-    cuts = cuts if cuts is not None else ctx.even_cuts(structure)
-    if not knobs or cuts is None:
-        return None, []
-    tried: list[Candidate] = []
-    fitted: set[tuple[int, bool]] = set()
-    exhaustive = ctx.options.exhaustive_knobs
-
-    def run(k: sp.Knobs) -> Any | None:
-        est = ctx.price(structure, k, cuts)
-        if est is not None:
-            tried.append(Candidate(structure=structure, knobs=k, estimate=est, stage_layers=cuts, uneven=uneven))
-        return est
-
-    levels = [r for r in sp.RECOMPUTE_ORDER if any(k.recompute == r for k in knobs)]
-    for n, level in enumerate(levels):
-        if n > 0 and _level_bound_s(ctx, structure, knobs, level) >= best_s:
-            break  # recomputing more cannot beat the best plan found: it only adds time
-        for k in knobs:
-            if k.recompute != level or ((k.zero_stage, k.sequence_parallel) in fitted and not exhaustive):
-                continue
-            states_gb = ctx.states_lower_bound_gb(structure, k.zero_stage)
-            if not exhaustive and states_gb > ctx.largest_memory_gb:
-                ctx.least_infeasible_gb = min(ctx.least_infeasible_gb, states_gb)
-                continue  # the model states alone overflow the device, whatever is recomputed
-            est = run(k)
-            if est is not None and est.fits:
-                fitted.add((k.zero_stage, k.sequence_parallel))
-    fits = [c for c in tried if c.fits]
-    return (min(fits, key=Candidate.key) if fits else None), tried
+def _may_fit(ctx: _Ctx, s: sp.Structure) -> bool:
+    """Some knobs of ``s`` pass the model-state memory bound (with ``exhaustive_knobs`` every structure)."""
+    knobs = sp.knob_choices(s, options=ctx.options, fix=ctx.fix)
+    return bool(knobs) and (ctx.options.exhaustive_knobs or any(
+        ctx.states_lower_bound_gb(s, z) <= ctx.largest_memory_gb for z in {k.zero_stage for k in knobs}))
 
 
-def _ideal_step_s(workload: Any, cluster: Any, global_batch: int) -> float:
-    flops = (workload.flops_fwd_per_seq + workload.flops_bwd_per_seq) * global_batch
-    peak = sum(g.node.gpu.tflops("bf16") * 1e12 * g.node.gpus_per_node * g.count for g in cluster.groups)
-    return flops / peak
+def _probes(ctx: _Ctx, structures: Sequence[sp.Structure]) -> None:
+    """Per group, the structure with the most pipeline ranks (a middle rank reads a layer's time directly)."""
+    for s in structures:
+        for spar in ctx.sp_choices(s):
+            key = ctx.group_key(s, spar)
+            if key not in ctx.probes or s.pp > ctx.probes[key].pp:
+                ctx.probes[key] = s
 
 
-def _screen(ctx: _Ctx, structures: list[sp.Structure], bounds: dict[sp.Structure, float]):
-    """Branch and bound over structures sorted by lower bound, even cuts. Returns the best candidate, the
-    best candidate per structure, the leanest non-fitting candidate per structure (for the stage DP, whose
-    cuts may make it fit), the count explored, status and the bound of what was left."""
+# --- explore and cut ---------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True, slots=True)
+class _State:
     best: Candidate | None = None
-    fitting: list[Candidate] = []
-    misses: list[Candidate] = []
-    explored, status, bound = 0, "optimal", math.inf
-    for n, s in enumerate(structures):
-        if best is not None and bounds[s] >= best.step_time_s:
-            break  # sorted by bound: nothing later can win
-        if best is not None and ctx.expired():
-            status, bound = "feasible", bounds[s]
-            break
-        cand, tried = _best_knobs(ctx, s, best_s=best.step_time_s if best else math.inf)
-        explored += 1
+    per_structure: dict = field(default_factory=dict)
+    """Structure -> its best fitting candidate, or its leanest priced one (none fits)."""
+    explored: list = field(default_factory=list)
+    open: dict = field(default_factory=dict)
+    """Structure -> why it is not proven ("dp", "budget", "time", "even")."""
+    promise: dict = field(default_factory=dict)
+    """Structure -> its bound plus what the rest of the step (p2p, data parallel, optimizer) added at even cuts."""
+    refined: int = 0
+
+    @property
+    def best_s(self) -> float:
+        return self.best.step_time_s if self.best is not None else math.inf
+
+    def offer(self, s: sp.Structure, cand: Candidate | None, tried: Sequence[Candidate]) -> None:
+        mine = self.per_structure.get(s)
         if cand is not None:
-            fitting.append(cand)
-            if best is None or cand.key() < best.key():
-                best = cand
-        elif tried:
-            misses.append(min(tried, key=lambda c: (c.estimate.memory_gb_per_device, c.key())))
-        if ctx.progress and n % 64 == 0:
-            ctx.progress("screen", n + 1, len(structures), best.step_time_s if best else math.nan)
-    if ctx.progress:
-        ctx.progress("screen", len(structures), len(structures), best.step_time_s if best else math.nan)
-    return best, fitting, misses, explored, status, bound
+            if mine is None or not mine.fits or cand.key() < mine.key():
+                self.per_structure[s] = cand
+            if self.best is None or cand.key() < self.best.key():
+                self.best = cand
+        elif tried and (mine is None or not mine.fits):
+            lean = min(tried, key=lambda c: (c.estimate.memory_gb_per_device, c.key()))
+            if mine is None or lean.estimate.memory_gb_per_device < mine.estimate.memory_gb_per_device:
+                self.per_structure[s] = lean
 
 
-def _inflight(schedule: str, pp: int, m: int, v: int = 1) -> list[float]:
-    from costmodel.pipeline import inflight_array
-
-    return [float(x) for x in inflight_array(schedule, pp=pp, num_microbatches=m, virtual_stages=v)]
-
-
-def _stage_dp(ctx: _Ctx, ranked: list[Candidate], misses: list[Candidate],
-              bounds: Mapping[sp.Structure, float]) -> tuple[list[Candidate], int, bool]:
-    """Uneven cuts for the best pipelined candidates (and for near misses that uneven cuts may make fit):
-    every cut when there are at most ``exhaustive_cuts`` of them, else the stage DP's cut; each cut then gets
-    its own best knobs. Returns the new candidates, the number of structures refined and whether all were."""
-    if not ctx.options.uneven_stages or not (ranked or misses):
-        return [], 0, True
-    best_s = ranked[0].step_time_s if ranked else math.inf
-    limit = best_s * (1 + ctx.options.dp_margin)
-    pool = sorted([c for c in ranked + misses if c.structure.pp > 1 and c.step_time_s <= limit
-                   and bounds[c.structure] < best_s], key=Candidate.key)
-    out, runs = [], 0
-    todo = pool[: ctx.options.dp_top_k]
-    for c in todo:
-        if ctx.expired() and (ranked or out):
-            return out, runs, False
-        runs += 1
-        for cuts in _cut_proposals(ctx, c):
-            if cuts == c.stage_layers:
-                continue
-            cand, _ = _best_knobs(ctx, c.structure, cuts, uneven=True, best_s=best_s)
-            if cand is not None:
-                out.append(cand)
-                best_s = min(best_s, cand.step_time_s)
-    return out, runs, True
+def _explore(ctx: _Ctx, bounds: dict[sp.Structure, float], st: _State) -> None:
+    """Branch and bound over structures in bound order, even cuts. ``bounds`` starts with the perfect-compute
+    bound and is tightened (``_sp_bounds``: one estimate per group) only for the structures the loop reaches,
+    so groups whose structures the cheap bound already prunes are never priced."""
+    total = len(bounds)
+    heap = [(b, 1, s) for s, b in bounds.items()]
+    heapq.heapify(heap)
+    while heap:
+        b, loose, s = heapq.heappop(heap)
+        if st.best is not None and b >= st.best_s:
+            return  # every bound left is at least this one: nothing can win
+        if st.best is not None and ctx.expired():
+            for _, _, rest in [(b, loose, s)] + heap:
+                st.open[rest] = "time"
+            return
+        if loose:
+            bounds[s] = max(b, min(_sp_bounds(ctx, s).values()))
+            heapq.heappush(heap, (bounds[s], 0, s))
+            continue
+        cuts = ctx.even_cuts(s)
+        cut_bounds = _sp_bounds(ctx, s, cuts)
+        cand, tried = best_knobs(ctx, s, cuts, best_s=st.best_s, bound_s=cut_bounds)
+        if cand is not None:
+            st.promise[s] = bounds[s] + cand.step_time_s - cut_bounds[cand.knobs.sequence_parallel]
+        st.explored.append(s)
+        st.offer(s, cand, tried)
+        if ctx.progress:
+            ctx.progress("explored", len(st.explored), total, st.best_s)
 
 
-def _cut_proposals(ctx: _Ctx, c: Candidate) -> list[tuple[int, ...]]:
-    s = c.structure
+def _search_cuts(ctx: _Ctx, bounds: Mapping[sp.Structure, float], st: _State) -> None:
+    """Uneven cuts for every explored pipeline whose bound is below the best step time, the most promising first
+    (bound plus what the rest of the step added at the even cut), within ``cut_evaluations`` step-model calls."""
+    todo = sorted((s for s in st.explored if s.pp > 1 and bounds[s] < st.best_s),
+                  key=lambda s: (st.promise.get(s, bounds[s]), bounds[s], s))
+    start = ctx.evaluations
+    budget = ctx.options.cut_evaluations
+    for n, s in enumerate(todo):
+        if bounds[s] >= st.best_s:
+            continue  # a cut of an earlier structure won: this one cannot
+        if not ctx.options.uneven_stages:
+            st.open[s] = "even"
+        elif st.best is not None and (ctx.expired() or (budget is not None and ctx.evaluations - start >= budget)):
+            st.open[s] = "time" if ctx.expired() else "budget"
+        else:
+            st.refined += 1
+            left = None if budget is None else start + budget
+            done = _all_cuts(ctx, s, st, left)
+            if done == "dp":
+                _dp_cuts(ctx, s, st)
+            if done != "done":
+                st.open[s] = done
+            if ctx.progress:
+                ctx.progress("cut search", n + 1, len(todo), st.best_s)
+
+
+def _all_cuts(ctx: _Ctx, s: sp.Structure, st: _State, until: int | None) -> str:
+    """Price every cut of ``s`` whose bound is below the best step time: "done", or why not ("dp": too many to
+    list, or layers that differ; "budget" / "time": stopped before the end, at ``until`` evaluations)."""
+    choices = ctx.sp_choices(s)
+    costs = {spar: _costs(ctx, s, spar) for spar in choices}
+    if ctx.layout is None or not all(costs.values()):
+        return "done" if _every_position(ctx, s, st) else "dp"
+    m, v, limit = s.num_microbatches, s.virtual_stages, ctx.options.cut_vectors_limit
+    todo: dict[tuple[int, ...], float] = {}
+    for spar, c in costs.items():
+        found = bd.rank_counts_below(c, schedule=s.schedule, v=v, m=m, below_s=st.best_s, limit=limit)
+        if found is None:
+            return "dp"
+        for b, counts in found:
+            todo[counts] = min(todo.get(counts, math.inf), b)
+    even = ctx.even_cuts(s)
+    cheap = sp.step_time_lower_bound_s(s, ideal_step_s=ctx.ideal_s)
+    for counts, b in sorted(todo.items(), key=lambda kv: (kv[1], kv[0])):
+        if b >= st.best_s:
+            break
+        if st.best is not None and ctx.expired():
+            return "time"
+        if st.best is not None and until is not None and ctx.evaluations >= until:
+            return "budget"
+        cuts = bd.stage_layers_of(ctx.layout, counts)
+        if cuts == even:
+            continue
+        bs = {spar: max(cheap, bd.cut_bound_s(c, counts, schedule=s.schedule, v=v, m=m)) for spar, c in costs.items()}
+        st.offer(s, *best_knobs(ctx, s, cuts, best_s=st.best_s, bound_s=bs, uneven=True))
+    return "done"
+
+
+def _every_position(ctx: _Ctx, s: sp.Structure, st: _State) -> bool:
+    """Layers that differ: every cut, when there are at most ``exhaustive_cuts``."""
     chunks, n = s.pp * s.virtual_stages, len(ctx.workload.layers)
-    if math.comb(n - 1, chunks - 1) <= ctx.options.exhaustive_cuts:
-        return [tuple(b - a for a, b in zip((0, *inner), (*inner, n)))
-                for inner in itertools.combinations(range(1, n), chunks - 1)]
-    price = lambda cuts: _price_or_raise(ctx, s, c.knobs, cuts)  # noqa: E731
+    if math.comb(n - 1, chunks - 1) > ctx.options.exhaustive_cuts:
+        return False
+    bound = _sp_bounds(ctx, s)
+    even = ctx.even_cuts(s)
+    for inner in itertools.combinations(range(1, n), chunks - 1):
+        cuts = tuple(b - a for a, b in zip((0, *inner), (*inner, n)))
+        if cuts != even:
+            st.offer(s, *best_knobs(ctx, s, cuts, best_s=st.best_s, bound_s=bound, uneven=True))
+    return True
+
+
+def _dp_cuts(ctx: _Ctx, s: sp.Structure, st: _State) -> None:
+    """The DPs' cut for ``s`` (probed at its best knobs, every layer recomputed if it recomputes), priced."""
+    seed = st.per_structure.get(s)
+    if seed is None:
+        return
+    knobs = replace(seed.knobs, recompute_layers=None)
+    price = lambda cuts: _price_or_raise(ctx, s, knobs, cuts)  # noqa: E731
     inflight = _inflight(s.schedule, s.pp, s.num_microbatches, s.virtual_stages)
     if s.schedule in ("gpipe", "1f1b"):
         proposal = propose_cuts(layers=ctx.workload.layers, pp=s.pp, num_microbatches=s.num_microbatches,
@@ -366,7 +377,15 @@ def _cut_proposals(ctx: _Ctx, c: Candidate) -> list[tuple[int, ...]]:
             layers=ctx.workload.layers, pp=s.pp, virtual_stages=s.virtual_stages,
             num_microbatches=s.num_microbatches, schedule=s.schedule, inflight=inflight,
             memory_limit_gb=ctx.memory_limit_gb, price=price)
-    return [] if proposal is None else [proposal.stage_layers]
+    if proposal is not None and proposal.stage_layers != ctx.even_cuts(s):
+        cuts = proposal.stage_layers
+        st.offer(s, *best_knobs(ctx, s, cuts, best_s=st.best_s, bound_s=_sp_bounds(ctx, s), uneven=True))
+
+
+def _inflight(schedule: str, pp: int, m: int, v: int = 1) -> list[float]:
+    from costmodel.pipeline import inflight_array
+
+    return [float(x) for x in inflight_array(schedule, pp=pp, num_microbatches=m, virtual_stages=v)]
 
 
 def _price_or_raise(ctx: _Ctx, s: sp.Structure, k: sp.Knobs, cuts: tuple[int, ...]):
@@ -374,6 +393,9 @@ def _price_or_raise(ctx: _Ctx, s: sp.Structure, k: sp.Knobs, cuts: tuple[int, ..
     if est is None:
         raise ConfigError(f"the step model refused cuts {cuts}")
     return est
+
+
+# --- the search --------------------------------------------------------------------------------------------
 
 
 def search(
@@ -389,7 +411,8 @@ def search(
     config_type: Any = None,
 ) -> SearchResult:
     """The best configuration for ``workload`` on ``cluster`` under the step model ``estimate``
-    (``costmodel.step.estimate_step`` by default; tests pass stand-ins with their own ``config_type``)."""
+    (``costmodel.step.estimate_step`` by default; tests pass stand-ins with their own ``config_type``).
+    ``time_limit_s`` bounds this search (anytime: it stops after a first plan that fits)."""
     if estimate is None:
         from costmodel.step import estimate_step as estimate
     options = options or sp.SearchOptions()
@@ -400,7 +423,8 @@ def search(
     t0 = time.perf_counter()
     deadline = None if time_limit_s is None else t0 + max(0.0, float(time_limit_s))
     ctx = _Ctx(workload=workload, cluster=cluster, global_batch=int(global_batch), estimate=estimate,
-               options=options, fix=fixed, deadline=deadline, progress=progress, config_type=config_type)
+               options=options, fix=fixed, deadline=deadline, progress=progress, config_type=config_type,
+               layout=bd.layout_of(workload.layers), ideal_s=_ideal_step_s(workload, cluster, global_batch))
     dims = sp.ModelDimsLite(heads=workload.heads, kv_heads=workload.kv_heads, layers=workload.num_layers,
                             seq=workload.seq, experts=workload.experts)
     structures = sp.enumerate_structures(dims=dims, num_devices=cluster.num_devices,
@@ -409,47 +433,60 @@ def search(
                                          group_devices=tuple(g.node.gpus_per_node * g.count for g in cluster.groups))
     if not structures:
         raise _no_structure_error(ctx, dims)
-    ideal = _ideal_step_s(workload, cluster, global_batch)
-    bounds = {}
-    for s in structures:  # with the time up, the cheap bound alone (still valid) keeps the search anytime
-        cheap = sp.step_time_lower_bound_s(s, ideal_step_s=ideal)
-        bounds[s] = cheap if ctx.expired() else max(cheap, structure_bound_s(ctx, s))
-    structures.sort(key=lambda s: (bounds[s], s))
+    _probes(ctx, structures)
+    bounds = {s: sp.step_time_lower_bound_s(s, ideal_step_s=ctx.ideal_s) if _may_fit(ctx, s) else math.inf
+              for s in structures}  # inf: the model states alone overflow the device at every ZeRO stage allowed
     t1 = time.perf_counter()
-    best, fitting, misses, explored, status, bound = _screen(ctx, structures, bounds)
+    st = _State()
+    _explore(ctx, bounds, st)
+    if progress:
+        progress("pruned by bound", len(bounds) - len(st.explored) - len(st.open), len(bounds), st.best_s)
     t2 = time.perf_counter()
-    ranked = sorted(fitting, key=Candidate.key)
-    improved, dp_runs, dp_complete = _stage_dp(ctx, ranked, misses, bounds)
+    _search_cuts(ctx, bounds, st)
     t3 = time.perf_counter()
-    pool = sorted(ranked + improved, key=Candidate.key)
+    pool = sorted((c for c in st.per_structure.values() if c.fits), key=Candidate.key)
     if not pool:
         raise _infeasible_error(ctx, workload, cluster)
     best = pool[0]
-    if status == "optimal":
-        bound = best.step_time_s
-    if not dp_complete:  # cut off while refining: those structures' bounds are all that is known
-        status = "feasible"
-        bound = min([bound] + [bounds[c.structure] for c in ranked + misses])
-    alternatives = _alternatives(pool, best, options.num_alternatives)
+    open_bounds = [bounds[s] for s in st.open if bounds[s] < best.step_time_s]
+    bound = min([best.step_time_s] + open_bounds)
+    status = "optimal" if not open_bounds else "feasible"
     return SearchResult(
-        best=best, alternatives=alternatives, status=status, bound_s=min(bound, best.step_time_s),
-        candidates_explored=explored, evaluations=ctx.evaluations, refined=dp_runs,
-        time_per_phase_s={"enumerate": t1 - t0, "screen": t2 - t1, "stage_dp": t3 - t2},
+        best=best, alternatives=_alternatives(pool, best, options.num_alternatives), status=status,
+        bound_s=bound, candidates_explored=len(st.explored), evaluations=ctx.evaluations, refined=st.refined,
+        proven=_proven(len(structures), st, open_bounds, bounds, best),
+        time_per_phase_s={"enumerate": t1 - t0, "explore": t2 - t1, "cuts": t3 - t2},
     )
+
+
+def _proven(total: int, st: _State, open_bounds: list[float], bounds, best: Candidate) -> str:
+    """What the bound covers, in words."""
+    explored = set(st.explored)
+    pruned = sum(1 for s, b in bounds.items() if s not in explored and (s not in st.open or b >= best.step_time_s))
+    head = (f"{total} structures x knobs x recompute counts x cuts: {len(st.explored)} explored, {pruned} "
+            f"pruned by bound, uneven cuts searched for {st.refined}")
+    if not open_bounds:
+        return f"optimal over the whole space ({head})"
+    why = {"dp": "whose cuts a DP proposed (too many to list)", "time": "not reached before the time limit",
+           "budget": "whose uneven cuts were not all priced (cut_evaluations spent)",
+           "even": "with even cuts only (uneven_stages=False)"}
+    parts = []
+    for key, text in why.items():
+        ss = [s for s, w in st.open.items() if w == key and bounds[s] < best.step_time_s]
+        if ss:
+            parts.append(f"{len(ss)} {text} (bound {min(bounds[s] for s in ss):.4g} s)")
+    return f"proven over {total - len(open_bounds)} of {total} structures ({head}); open: " + "; ".join(parts)
+
+
+def _ideal_step_s(workload: Any, cluster: Any, global_batch: int) -> float:
+    flops = (workload.flops_fwd_per_seq + workload.flops_bwd_per_seq) * global_batch
+    peak = sum(g.node.gpu.tflops("bf16") * 1e12 * g.node.gpus_per_node * g.count for g in cluster.groups)
+    return flops / peak
 
 
 def _alternatives(pool: Sequence[Candidate], best: Candidate, n: int) -> list[Candidate]:
     """The next-best distinct structures (one entry per structure: its best knobs and cuts)."""
-    seen = {best.structure}
-    out = []
-    for c in pool:
-        if c.structure in seen:
-            continue
-        seen.add(c.structure)
-        out.append(c)
-        if len(out) == n:
-            break
-    return out
+    return [c for c in pool if c.structure != best.structure][:n]
 
 
 def _no_structure_error(ctx: _Ctx, dims: sp.ModelDimsLite) -> AutoparError:
@@ -512,7 +549,8 @@ def plan_model(
 ):
     """Plan ``model`` (a spec string, or a ``(Workload, ModelInfo)`` pair) on ``cluster``: a ``Plan``.
 
-    ``time_limit_s`` bounds the search (anytime: the best plan so far, ``solver.status == "feasible"``);
+    ``time_limit_s`` bounds the search, which starts once the model is traced (anytime: the best plan so far,
+    ``solver.status == "feasible"``; ``solver.time_per_phase_s["trace"]`` is the trace's time);
     ``fix`` pins any choice (``{"tp": 8, "pp": 4}`` or ``"tp=8,pp=4"``). ``record_timings=False`` leaves the
     wall-clock phase times out of the plan, so that equal inputs give byte-identical plan files.
     """
@@ -530,15 +568,14 @@ def plan_model(
     if sp_tps is not None:
         options = replace(options or sp.SearchOptions(), sequence_parallel_tps=sp_tps)
     result = search(workload=loaded.workload, cluster=cluster, global_batch=global_batch, options=options,
-                    fix=fix, time_limit_s=None if time_limit_s is None else max(0.0, time_limit_s - t_trace),
-                    progress=progress)
+                    fix=fix, time_limit_s=time_limit_s, progress=progress)
     t1 = time.perf_counter()
-    shardings, intra_stats = model_input.shardings_for(loaded, result.best, cluster=cluster,
-                                                       global_batch=global_batch)
+    best_config = make_config(result.best.structure, result.best.knobs, global_batch=global_batch)
+    shardings, intra_stats = model_input.shardings_for(loaded, result.best, cluster=cluster, config=best_config)
     t_intra = time.perf_counter() - t1
     phases = {"trace": t_trace, **result.time_per_phase_s, "intra_op": t_intra}
-    log.info("planned %s: %s, %.4f s/step (%s)", loaded.model_info.name, result.best.summary(),
-             result.best.step_time_s, result.status)
+    log.info("planned %s: %s, %.4f s/step (%s; %s)", loaded.model_info.name, result.best.summary(),
+             result.best.step_time_s, result.status, result.proven)
     plan = build_plan(model_info=loaded.model_info, workload=loaded.workload, cluster=cluster, result=result,
                       global_batch=global_batch, shardings=shardings, time_per_phase_s=phases,
                       record_timings=record_timings, module_groups=loaded.module_groups, intra_op=intra_stats)

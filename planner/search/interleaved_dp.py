@@ -3,7 +3,8 @@
 Inputs are plain arrays; nothing here knows about models, configs or the cost model.
 
 Formulation. ``N`` identical layers are cut into ``C = p v`` contiguous chunks; chunk ``c`` runs on rank
-``r(c) = c % p`` (torch.distributed.pipelining's stage order). With ``n_c >= 1`` layers on chunk ``c``, ``u_r``
+``r(c) = c % p`` (torch.distributed.pipelining's stage order). With ``n_c >= lo_c`` layers on chunk ``c`` (one, or
+none for a chunk that the embedding or the head fills on its own), ``u_r``
 the time of one layer on rank ``r`` (ranks may sit on different devices), ``e_c`` a fixed time of the chunk
 (the embedding on chunk 0, the head on chunk ``C - 1``, overheads):
 
@@ -62,11 +63,19 @@ class CountProblem:
     layer_bytes: tuple[float, ...]
     """``b_r``: memory of one layer on rank ``r`` (weights, states, in-flight activations)."""
     memory_limit_bytes: tuple[float, ...]
-    min_per_chunk: int = 1
+    min_per_chunk: int | tuple[int, ...] = 1
+    """Least layers per chunk, one value or one per chunk (0 lets the embedding's or the head's chunk hold
+    nothing else)."""
 
     @property
     def num_ranks(self) -> int:
         return len(self.layer_time_s)
+
+    def lows(self) -> np.ndarray:
+        """(v, p) least layers of each chunk (row = local chunk, column = rank)."""
+        chunks = self.num_ranks * self.virtual_stages
+        lo = np.broadcast_to(np.asarray(self.min_per_chunk, dtype=int), (chunks,))
+        return lo.reshape(self.virtual_stages, self.num_ranks)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -90,9 +99,9 @@ def evaluate_counts(p: CountProblem, chunk_layers: Sequence[int]) -> tuple[float
     return obj, per_rank, fits
 
 
-def _water_fill(base: np.ndarray, unit: float, lo: int, extra: int) -> tuple[np.ndarray, list[int]]:
-    """Least largest chunk time for ``v * lo + k`` layers on chunks with fixed times ``base``, k = 0..extra:
-    (max times (extra + 1,), the chunk each added layer goes to)."""
+def _water_fill(base: np.ndarray, unit: float, lo: np.ndarray, extra: int) -> tuple[np.ndarray, list[int]]:
+    """Least largest chunk time for ``sum(lo) + k`` layers on chunks with fixed times ``base`` holding at least
+    ``lo`` each, k = 0..extra: (max times (extra + 1,), the chunk each added layer goes to)."""
     t = base + unit * lo
     out, order = [float(t.max())], []
     for _ in range(extra):
@@ -105,22 +114,22 @@ def _water_fill(base: np.ndarray, unit: float, lo: int, extra: int) -> tuple[np.
 
 @dataclass(frozen=True, slots=True)
 class _Tables:
-    kmin: int
-    rank_time: np.ndarray  # (p, K) P_r(k) for k = kmin .. kmin + K - 1
+    kmin: np.ndarray  # (p,) least layers of each rank
+    rank_time: np.ndarray  # (p, K) P_r(k) for k = kmin_r .. kmin_r + K - 1
     cost: np.ndarray  # (p, K) beta_r M_r(k)
     mem_ok: np.ndarray  # (p, K)
     orders: list[list[int]]  # per rank: the local chunk of each added layer
 
 
 def _tables(p: CountProblem) -> _Tables:
-    ranks, v, lo = p.num_ranks, p.virtual_stages, p.min_per_chunk
-    kmin = v * lo
-    extra = p.num_layers - ranks * kmin
+    ranks, v, lows = p.num_ranks, p.virtual_stages, p.lows()
+    kmin = lows.sum(axis=0)
+    extra = p.num_layers - int(kmin.sum())
     e = np.asarray(p.chunk_time_s, dtype=float).reshape(v, ranks)
-    k = kmin + np.arange(extra + 1)
     rank_time, cost, mem_ok, orders = [], [], [], []
     for r in range(ranks):
-        m_r, order = _water_fill(e[:, r].copy(), p.layer_time_s[r], lo, extra)
+        k = kmin[r] + np.arange(extra + 1)
+        m_r, order = _water_fill(e[:, r].copy(), p.layer_time_s[r], lows[:, r], extra)
         rank_time.append(e[:, r].sum() + p.layer_time_s[r] * k)
         cost.append(p.bubble_weight[r] * m_r)
         mem_ok.append(p.rank_bytes[r] + p.layer_bytes[r] * k <= p.memory_limit_bytes[r])
@@ -135,11 +144,10 @@ def _dp(tab: _Tables, num_layers: int, t_max: float) -> tuple[float, list[np.nda
     n = num_layers + 1
     g = np.full(n, _INF)
     g[0] = 0.0
-    kk = tab.kmin + np.arange(width)
-    src = np.arange(n)[:, None] - kk[None, :]  # (n, K): layers before this rank
-    valid = src >= 0
     choices = []
     for r in range(ranks):
+        src = np.arange(n)[:, None] - (tab.kmin[r] + np.arange(width))[None, :]  # (n, K): layers before this rank
+        valid = src >= 0
         ok = tab.mem_ok[r] & (tab.rank_time[r] <= t_max)
         c = np.where(ok, tab.cost[r], _INF)
         cand = np.where(valid, g[np.clip(src, 0, None)] + c[None, :], _INF)
@@ -150,15 +158,15 @@ def _dp(tab: _Tables, num_layers: int, t_max: float) -> tuple[float, list[np.nda
 
 
 def _counts_from(tab: _Tables, p: CountProblem, choices: list[np.ndarray]) -> tuple[int, ...]:
-    ranks, v, lo = p.num_ranks, p.virtual_stages, p.min_per_chunk
+    ranks = p.num_ranks
     per_rank, n = [0] * ranks, p.num_layers
     for r in range(ranks - 1, -1, -1):
-        k = tab.kmin + int(choices[r][n])
+        k = int(tab.kmin[r]) + int(choices[r][n])
         per_rank[r] = k
         n -= k
-    chunks = [lo] * (ranks * v)
+    chunks = [int(x) for x in p.lows().reshape(-1)]
     for r in range(ranks):
-        for local in tab.orders[r][: per_rank[r] - tab.kmin]:
+        for local in tab.orders[r][: per_rank[r] - int(tab.kmin[r])]:
             chunks[local * ranks + r] += 1
     return tuple(chunks)
 
@@ -166,10 +174,11 @@ def _counts_from(tab: _Tables, p: CountProblem, choices: list[np.ndarray]) -> tu
 def solve_counts(p: CountProblem) -> CountSolution:
     """Optimal layer counts per chunk; ``InfeasiblePlanError`` (with the numbers) if none fits memory."""
     ranks, v = p.num_ranks, p.virtual_stages
-    if p.num_layers < ranks * v * p.min_per_chunk:
+    least = int(p.lows().sum())
+    if p.num_layers < least:
         raise InfeasiblePlanError(
-            f"{p.num_layers} layers cannot give {ranks * v} chunks (pp={ranks} x virtual_stages={v}) "
-            f"{p.min_per_chunk} each: use pp * virtual_stages <= {p.num_layers // p.min_per_chunk}"
+            f"{p.num_layers} layers cannot fill {ranks * v} chunks (pp={ranks} x virtual_stages={v}) with the "
+            f"{least} they need at least: use fewer chunks"
         )
     tab = _tables(p)
     cands = np.unique(tab.rank_time[tab.mem_ok])
@@ -178,7 +187,7 @@ def solve_counts(p: CountProblem) -> CountSolution:
                             - np.asarray(p.memory_limit_bytes)))
         raise InfeasiblePlanError(
             f"no split of {p.num_layers} layers over {ranks} ranks x {v} chunks fits memory: even the "
-            f"lightest rank is {max(need, 0.0) / 1e9:.2f} GB over its limit at {tab.kmin} layers; use more "
+            f"lightest rank is {max(need, 0.0) / 1e9:.2f} GB over its limit at its least layers; use more "
             "pipeline stages, recomputation, ZeRO or a smaller micro-batch"
         )
     runs, lo, hi = 0, 0, cands.size - 1
@@ -206,12 +215,14 @@ def solve_counts(p: CountProblem) -> CountSolution:
 
 def brute_force_counts(p: CountProblem) -> CountSolution | None:
     """Every count vector (tests on small inputs); None if nothing fits."""
-    chunks, lo = p.num_ranks * p.virtual_stages, p.min_per_chunk
-    free = p.num_layers - chunks * lo
+    chunks, lows = p.num_ranks * p.virtual_stages, [int(x) for x in p.lows().reshape(-1)]
+    free = p.num_layers - sum(lows)
     best: CountSolution | None = None
+    if free < 0:
+        return None
     for bars in itertools.combinations(range(free + chunks - 1), chunks - 1):  # stars and bars
         edges = (-1, *bars, free + chunks - 1)
-        counts = tuple(lo + edges[i + 1] - edges[i] - 1 for i in range(chunks))
+        counts = tuple(lows[i] + edges[i + 1] - edges[i] - 1 for i in range(chunks))
         obj, per_rank, fits = evaluate_counts(p, counts)
         if fits and (best is None or obj < best.objective_s):
             best = CountSolution(chunk_layers=counts, objective_s=obj, rank_time_s=tuple(per_rank.tolist()))

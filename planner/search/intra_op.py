@@ -485,11 +485,3 @@ def _solution(problem, solver, s, *, status: int, greedy, scale: float, start: f
         num_variables=solver.NumVariables(),
         num_constraints=solver.NumConstraints(),
     )
-
-
-def block_strategy(block, **kwargs):
-    """The memoized per-block entry (``planner.search.block_plan.block_strategy``), re-exported here as the
-    interface contract names it; this module itself stays free of blocks and cost models."""
-    from planner.search.block_plan import block_strategy as _block_strategy
-
-    return _block_strategy(block, **kwargs)

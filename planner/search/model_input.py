@@ -58,7 +58,7 @@ def load(model: Any, *, seq: int | None, global_batch: int) -> LoadedModel:
 
 def sequence_parallel_tps(loaded: LoadedModel, *, cluster: Any, max_tp: int) -> frozenset[int] | None:
     """The power-of-two tp degrees (2..max_tp) at which every distinct transformer block has an executable
-    sequence-parallel sharding, asked of P1's per-block ILP; None when the model carries no traced blocks."""
+    sequence-parallel sharding, asked of the per-block ILP; None when the model carries no traced blocks."""
     if not loaded.blocks or loaded.graph is None:
         return None
     from planner.search.block_plan import StrategyCache, sequence_parallel_ok
@@ -75,20 +75,19 @@ def sequence_parallel_tps(loaded: LoadedModel, *, cluster: Any, max_tp: int) -> 
     return frozenset(ok)
 
 
-def shardings_for(loaded: LoadedModel, best: Any, *, cluster: Any, global_batch: int
+def shardings_for(loaded: LoadedModel, best: Any, *, cluster: Any, config: Any
                   ) -> tuple[tuple[ModuleSharding, ...], dict]:
     """Per-module sharding of the chosen configuration: for every workload entry, the solution of the block
     ILP that the step model priced it with (``GraphCoster.strategy`` at the entry's own layer context: its
-    pipeline rank's node group, its recomputation), expanded to the entry's module FQNs."""
+    pipeline rank's node group, its recomputation), expanded to the entry's module FQNs. ``config``: the step
+    model's ``ParallelConfig`` of the search's ``best`` candidate."""
     coster = loaded.workload.coster
     if not loaded.blocks or loaded.graph is None or not hasattr(coster, "strategy"):
         log.info("no traced blocks (model given as a Workload): the plan carries no per-module shardings")
         return (), {"blocks": 0}
     from costmodel.step import layer_contexts
-    from planner.search.driver import make_config
 
-    cfg = make_config(best.structure, best.knobs, global_batch=global_batch)
-    contexts = layer_contexts(loaded.workload, cfg, cluster, stage_layers=best.stage_layers)
+    contexts = layer_contexts(loaded.workload, config, cluster, stage_layers=best.stage_layers)
     out: dict[str, str] = {}
     solved: dict[int, dict] = {}
     for layer, ctx in zip(loaded.workload.layers, contexts):

@@ -1,4 +1,4 @@
-"""The search space: which parallel configurations exist for a model on a cluster, and how to prune them.
+"""The search space: which parallel configurations exist for a model on a cluster, and the cheap bounds.
 
 A configuration is split in two:
 
@@ -6,24 +6,22 @@ A configuration is split in two:
   how the batch flows. Validity is decided here from divisibility (tp a power of two within a node dividing
   heads and kv heads; cp a power of two with ``2 cp`` dividing the sequence, for the load-balanced causal split;
   ep dividing experts and dp; pp at most the number of layers, uneven cuts allowed; dp dividing the global
-  batch; the micro-batch size dividing ``global_batch / dp``; the schedule's constraints on micro-batch counts).
-- ``Knobs``: recompute none/selective/full, ZeRO stage 0-3, sequence parallel: memory-for-time trades that
-  the driver decides per structure by a dominance ladder (``driver._best_knobs``).
+  batch; every micro-batch size dividing ``global_batch / dp``; the schedule's constraints on micro-batch counts;
+  up to ``layers / pp`` chunks per rank for interleaved 1F1B and zero-bubble, as torch runs them).
+- ``Knobs``: recompute none/selective/full and how many layers of each chunk it covers, ZeRO stage 0-3,
+  sequence parallel: memory-for-time trades that ``knobs.best_knobs`` decides per structure and cut.
 
-Pruning rules, each a dominance argument that ``tests/test_search.py`` checks against the cost model:
+What is left out, and why (``tests/test_search.py`` compares the search with every configuration):
 
-- (GPipe is enumerated everywhere: it holds more activations than 1F1B but the step model can price it a
-  little faster, e.g. its p2p hops overlap differently, so it is not dominated.)
-- ZeRO-1 is dominated by ZeRO-2 (same traffic, less memory), so the default ZeRO stages are 0, 2, 3.
+- ZeRO-1 by default: ZeRO-2 moves the same bytes and also shards the gradients (``--fix zero=1`` still works).
 - With ``dp * cp == 1`` ZeRO has nothing to shard over: only ZeRO-0.
-- Context parallel (cp > 1) is enumerated with pp = 1 and ep = 1 only, what the runtime executes
+- Context parallel (cp > 1) with pp = 1 and ep = 1 only, what the runtime executes
   (``runtime/context_parallel.py``); ``--fix`` with both cp and pp (or cp and ep) still prices the combination.
-- Sequence parallel (tp > 1) is priced both ways: it saves activation memory and usually time (norm/dropout
-  work divided by tp, the same bytes moved), but not on every link and layer (e.g. over PCIe the step model
-  can price some layers slower with it), so it does not dominate plain tp.
+- Zero-bubble with ZeRO 1-3: the runtime runs those as FSDP2, which its zero-bubble pipeline refuses.
 - With ``pp == 1`` the schedule and virtual stages are moot: one structure with ``1f1b`` and ``v = 1``.
-- ``step_time_lower_bound_s``: perfect compute at peak, stretched by the schedule's bubble; a structure whose
-  bound is above the best plan found cannot win.
+
+``step_time_lower_bound_s`` (perfect compute at peak, stretched by the schedule's bubble) and
+``pipeline_lower_bound_s`` (summed layer times) hold for any cut and knobs; ``bounds`` has the tighter ones.
 """
 
 from __future__ import annotations
@@ -48,30 +46,33 @@ _INT_KEYS = ("tp", "cp", "ep", "pp", "dp", "microbatch", "virtual_stages", "zero
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SearchOptions:
-    max_microbatch: int = 16
+    max_microbatch: int | None = None
+    """Largest micro-batch size enumerated; None: every divisor of ``global_batch / dp`` (bounds prune them)."""
     max_cp: int = 8
     min_tokens_per_cp_rank: int = 1024
     """Context parallel only while each rank keeps this many tokens: below that, ring attention's blocks are
     too small to hide their send/recv (and sequences that short do not need cp to fit)."""
-    max_virtual_stages: int = 4
+    max_virtual_stages: int | None = None
+    """Most chunks per pipeline rank (interleaved 1F1B, zero-bubble); None: up to ``layers / pp``, as torch's
+    ``ScheduleInterleaved1F1B`` / ``ScheduleInterleavedZeroBubble`` run any number (uneven chunks allowed)."""
     schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
-    zero_bubble_virtual_stages: tuple[int, ...] = (1,)
     recompute: tuple[str, ...] = RECOMPUTE_ORDER
     zero_stages: tuple[int, ...] = (0, 2, 3)
     """ZeRO-1 is left out by default: ZeRO-2 moves the same bytes (reduce-scatter + all-gather, Rajbhandari
     et al. SC20 Sec. 7) and also shards the gradients, so it dominates ZeRO-1 (``--fix zero=1`` still works)."""
     uneven_stages: bool = True
-    """Run the stage DP for uneven layer cuts (embedding and LM head weigh in)."""
-    dp_top_k: int = 16
-    """Stage DP for at most this many of the best pipelined structures."""
-    dp_margin: float = 0.25
-    """... among those within this fraction of the best even-split step time."""
-    exhaustive_cuts: int = 0
-    """Price every cut of the layer sequence when there are at most this many (exact for small models), else
-    the DPs of ``cuts`` (contiguous stage DP for GPipe / 1F1B, layer-count DP for interleaved / zero-bubble)."""
+    """Search uneven layer cuts (embedding and LM head weigh in); False: even cuts only."""
+    cut_vectors_limit: int = 20000
+    """Per structure, the most layer-count vectors looked at to list every cut whose bound is below the best
+    step time (identical transformer layers); above it the DPs of ``cuts`` propose the cut and the structure
+    stays unproven (its bound counts in the search's bound)."""
+    cut_evaluations: int | None = 1000
+    """Step-model calls the cut search may make after the even-cut exploration (the most promising pipelines
+    first); the pipelines left open keep their bound in the search's bound. None: no limit."""
+    exhaustive_cuts: int = 256
+    """Models whose transformer layers differ: price every cut when there are at most this many, else the DPs
+    propose one (unproven)."""
     num_alternatives: int = 5
-    memory_headroom: float = 1.0
-    """Fraction of device memory a plan may use (the cost model's ``fits``); 1.0 = the cost model's own."""
     exhaustive_knobs: bool = False
     """Evaluate every knob combination instead of the dominance ladder (for tests)."""
     sequence_parallel_tps: frozenset[int] | None = None
@@ -102,14 +103,22 @@ class Structure:
         return f"{par} mb={self.microbatch} m={self.num_microbatches} {sched}"
 
 
-@dataclass(frozen=True, kw_only=True, slots=True, order=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Knobs:
     recompute: str = "none"
     zero_stage: int = 0
     sequence_parallel: bool = False
+    recompute_layers: tuple[int, ...] | None = None
+    """Per pipeline chunk, how many of its transformer layers (from its first) use ``recompute``; None: all."""
+
+    def sort_key(self) -> tuple:
+        return (self.recompute, self.zero_stage, self.sequence_parallel, self.recompute_layers or ())
 
     def summary(self) -> str:
-        return f"recompute={self.recompute} zero={self.zero_stage}" + (" sp" if self.sequence_parallel else "")
+        rec = self.recompute
+        if self.recompute_layers is not None and rec != "none":
+            rec += f"({sum(self.recompute_layers)} layers)"
+        return f"recompute={rec} zero={self.zero_stage}" + (" sp" if self.sequence_parallel else "")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -211,12 +220,11 @@ def _schedules(*, pp: int, m: int, layers: int, options: SearchOptions) -> list[
     if "1f1b" in options.schedules and m >= pp:
         out.append(("1f1b", 1))
     if m % pp == 0:
+        most = layers // pp if options.max_virtual_stages is None else min(layers // pp, options.max_virtual_stages)
         if "interleaved-1f1b" in options.schedules:
-            for v in range(2, options.max_virtual_stages + 1):
-                if pp * v <= layers:
-                    out.append(("interleaved-1f1b", v))
+            out.extend(("interleaved-1f1b", v) for v in range(2, most + 1))
         if "zero-bubble" in options.schedules:
-            out.extend(("zero-bubble", v) for v in options.zero_bubble_virtual_stages if pp * v <= layers)
+            out.extend(("zero-bubble", v) for v in range(1, most + 1))
     return out
 
 
@@ -263,7 +271,7 @@ def enumerate_structures(
                 eps = ep_choices(dims, dp=dp) if cp == 1 or _both_fixed(fix, "cp", "ep") else [1]  # cp without ep
                 for ep in pinned("ep", eps):
                     per_dp = global_batch // dp
-                    mbs = [b for b in divisors(per_dp) if b <= options.max_microbatch]
+                    mbs = [b for b in divisors(per_dp) if options.max_microbatch is None or b <= options.max_microbatch]
                     for mb in pinned("microbatch", mbs):
                         m = per_dp // mb
                         for sched, v in _schedules(pp=pp, m=m, layers=dims.layers, options=options):

@@ -2,7 +2,7 @@
 
 Inputs are plain arrays; nothing here knows about models, configs or the cost model.
 
-Formulation (Zheng et al., Alpa, OSDI 2022, Eq. 2; FORMULAS.md "Unequal stages"). Layers ``0..L-1`` are cut
+Formulation (Zheng et al., Alpa, OSDI 2022, Eq. 2; the unequal-stage pipeline time of Huang et al. 2019). Layers ``0..L-1`` are cut
 into ``S`` contiguous, non-empty stages; stage ``s`` covers layers ``[c_s, c_{s+1})`` with ``c_0 = 0``,
 ``c_S = L``. With ``t[s, i]`` the forward + backward time of layer ``i`` for one micro-batch when placed on stage
 ``s`` (stages may sit on different devices: a heterogeneous cluster's faster groups get more layers), ``o_s``
