@@ -7,9 +7,7 @@ applies it with ``runtime.apply_plan``. A planning error on rank 0 is raised on 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -78,22 +76,14 @@ def _resolve_plan(model: nn.Module, example_inputs: Any, *, plan: Any, cluster: 
 
 
 def _plan_for(model: nn.Module, example_inputs: Any, *, cluster: Any, world_size: int) -> Plan:
-    """Plan with the planner's public entry. The model goes to the planner as its HF config.json (the planner
-    rebuilds the same class from it, with the same parameter names: the fingerprint check confirms)."""
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "to_json_file"):
-        raise ConfigError(
-            f"auto_wrap can plan only Hugging Face models (with .config); for {type(model).__name__} "
-            "run `autopar plan` and pass plan=PATH"
-        )
-    ids = example_inputs[0] if isinstance(example_inputs, (tuple, list)) else example_inputs
+    """Plan with the planner's public entry, which traces this very module (torch.export fakes its weights; the
+    module is not changed) at the batch ``example_inputs`` holds: any PyTorch model, not only Hugging Face ones."""
+    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    if not inputs or not hasattr(inputs[0], "shape") or len(inputs[0].shape) < 1:
+        raise ConfigError("auto_wrap(plan=None) needs example_inputs: one global batch of the model's positional "
+                          "inputs, batch first")
     if not isinstance(cluster, (str, type(None))):
         cluster_obj = cluster
     else:
         cluster_obj = resolve_cluster(cluster or "local", nodes=1, gpus_per_node=world_size)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "config.json"
-        config.to_json_file(str(path))
-        plan = plan_model(str(path), cluster_obj, global_batch=int(ids.shape[0]), seq=int(ids.shape[1]))
-    name = f"{type(model).__name__} (auto_wrap)"  # not the temporary config path
-    return dataclasses.replace(plan, model=dataclasses.replace(plan.model, name=name))
+    return plan_model(model, cluster_obj, global_batch=int(inputs[0].shape[0]), example_inputs=inputs)
