@@ -546,8 +546,10 @@ def plan_model(
     options: sp.SearchOptions | None = None,
     progress: Progress | None = None,
     record_timings: bool = True,
+    example_inputs: Any = None,
 ):
-    """Plan ``model`` (a spec string, or a ``(Workload, ModelInfo)`` pair) on ``cluster``: a ``Plan``.
+    """Plan ``model`` (a spec string, an ``nn.Module`` with its ``example_inputs``, or a ``(Workload,
+    ModelInfo)`` pair) on ``cluster``: a ``Plan``.
 
     ``time_limit_s`` bounds the search, which starts once the model is traced (anytime: the best plan so far,
     ``solver.status == "feasible"``; ``solver.time_per_phase_s["trace"]`` is the trace's time);
@@ -562,7 +564,7 @@ def plan_model(
     if time_limit_s is not None and not time_limit_s >= 0:
         raise ConfigError(f"time_limit_s={time_limit_s!r} must be >= 0 seconds (or None for no limit)")
     t0 = time.perf_counter()
-    loaded = model_input.load(model, seq=seq, global_batch=global_batch)
+    loaded = model_input.load(model, seq=seq, global_batch=global_batch, example_inputs=example_inputs)
     t_trace = time.perf_counter() - t0
     sp_tps = model_input.sequence_parallel_tps(loaded, cluster=cluster, max_tp=int(cluster.gpus_per_node))
     if sp_tps is not None:
