@@ -57,7 +57,8 @@ from costmodel.step_config import (DEFAULT_STEP_CONSTANTS, ParallelConfig, StepC
                                    check_stage_layers, validate_config)
 from costmodel.workload import Workload
 
-__all__ = ["ParallelConfig", "StepEstimate", "StepConstants", "estimate_step", "even_stage_layers", "layer_contexts"]
+__all__ = ["ParallelConfig", "StepEstimate", "StepConstants", "estimate_step", "even_stage_layers", "layer_contexts",
+           "priced_collectives"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -337,19 +338,20 @@ def _dp_collective(op: str, nbytes: float, group: Group, cluster: Cluster, *, fl
     return cc.link_kind, cc.time_s
 
 
-@functools.lru_cache(maxsize=16384)
-def _dp_comm(wb: int, cluster: ByIdentity, dense: float, expert: float, m: int, k: StepConstants, *, dp: int, cp: int,
-             tp: int, ep: int, zero_stage: int, recompute: str, layers: int) -> tuple[str, float]:
-    """Seconds of data-parallel traffic per step for one pipeline rank, and its link kind (pure: memoized).
+def dp_collectives(*, params: float, expert_params: float, bytes_per_param: int, m: int, k: StepConstants,
+                   zero_stage: int, recompute: str, layers: int) -> tuple[tuple[str, str, float, int], ...]:
+    """The data-parallel collectives one pipeline rank issues per step: ``(group, op, bytes each, count)``
+    with ``group`` ``dense`` (over dp x cp) or ``expert`` (over dp / ep x cp). What ``_dp_comm`` times and
+    ``priced_collectives`` lists.
 
     ZeRO-3 gathers and reduces parameters module by module: ``layers`` transformer layers on the rank times
     ``StepConstants.zero3_collectives_per_layer`` collectives per pass, plus one for the rank's other entries
-    (embedding, head), each paying the ring's latency steps on its share of the bytes."""
-    groups = ((dense, Group(size=dp * cp, stride=tp)),
-              (expert, Group(size=max(1, dp // ep) * cp, stride=tp * ep)))
-    total, kind, largest = 0.0, "", 0.0
-    for params, g in groups:
-        nbytes = params * wb
+    (embedding, head), each on its share of the bytes."""
+    out = []
+    for group, n in (("dense", params), ("expert", expert_params)):
+        if n <= 0:
+            continue
+        nbytes = n * bytes_per_param
         if zero_stage == 0:
             parts = [("all_reduce", 1)]
         elif zero_stage in (1, 2):
@@ -358,12 +360,23 @@ def _dp_comm(wb: int, cluster: ByIdentity, dense: float, expert: float, m: int, 
             gathers = 2 + (1 if recompute == "full" and k.zero3_passes_recompute else 0)
             parts = [("all_gather", gathers * m), ("reduce_scatter", m)]
         units = layers * k.zero3_collectives_per_layer + 1 if zero_stage == 3 else 1
-        for op, times in parts:
-            lk, t = _dp_collective(op, nbytes / units, g, cluster.obj, flat=zero_stage == 3 and k.zero3_flat_nic)
-            t *= units
-            if t * times > largest:  # the link kind of the largest contribution names the traffic
-                kind, largest = lk, t * times
-            total += t * times
+        out += [(group, op, nbytes / units, units * times) for op, times in parts]
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=16384)
+def _dp_comm(wb: int, cluster: ByIdentity, dense: float, expert: float, m: int, k: StepConstants, *, dp: int, cp: int,
+             tp: int, ep: int, zero_stage: int, recompute: str, layers: int) -> tuple[str, float]:
+    """Seconds of data-parallel traffic per step for one pipeline rank (``dp_collectives``), and its link kind
+    (pure: memoized)."""
+    groups = {"dense": Group(size=dp * cp, stride=tp), "expert": Group(size=max(1, dp // ep) * cp, stride=tp * ep)}
+    total, kind, largest = 0.0, "", 0.0
+    for group, op, nbytes, count in dp_collectives(params=dense, expert_params=expert, bytes_per_param=wb, m=m,
+                                                    k=k, zero_stage=zero_stage, recompute=recompute, layers=layers):
+        lk, t = _dp_collective(op, nbytes, groups[group], cluster.obj, flat=zero_stage == 3 and k.zero3_flat_nic)
+        if t * count > largest:  # the link kind of the largest contribution names the traffic
+            kind, largest = lk, t * count
+        total += t * count
     return kind, total
 
 
@@ -606,6 +619,42 @@ def layer_contexts(workload: Workload, config: ParallelConfig, cluster: Cluster,
     for e, on in enumerate(mask):
         key = keys[_class_of(classes, int(owner[e]) % config.pp)]
         out.append((key if on else dataclasses.replace(key, recompute="none")).ctx())
+    return tuple(out)
+
+
+def priced_collectives(workload: Workload, config: ParallelConfig, cluster: Cluster, *,
+                       stage_layers: tuple[int, ...] | None = None,
+                       constants: StepConstants = DEFAULT_STEP_CONSTANTS) -> tuple[dict[tuple[str, str], list], ...]:
+    """Per pipeline rank, the collectives one step issues as the step model prices them:
+    ``{(axis, op): [count, total bytes]}`` with axis ``tp`` / ``cp`` / ``ep`` (the blocks' own, per micro-batch,
+    from their costers) or ``dp`` (gradient and parameter traffic, ``dp_collectives``). For checking against
+    what the runtime issues (``tests/test_priced_collectives.py``, CommDebugMode on the fake process group)."""
+    chunks = config.pp * config.virtual_stages
+    stage_layers = even_stage_layers(workload, chunks) if stage_layers is None else tuple(stage_layers)
+    contexts = layer_contexts(workload, config, cluster, stage_layers=stage_layers, constants=constants)
+    owner = np.repeat(np.arange(len(stage_layers)), stage_layers) % config.pp
+    m = config.num_microbatches
+    out: list[dict[tuple[str, str], list]] = [{} for _ in range(config.pp)]
+    dense, expert, blocks = [0.0] * config.pp, [0.0] * config.pp, [0] * config.pp
+
+    def add(r: int, axis: str, op: str, count: float, nbytes: float) -> None:
+        row = out[r].setdefault((axis, op), [0, 0.0])
+        row[0] += count
+        row[1] += count * nbytes
+
+    for layer, ctx, r in zip(workload.layers, contexts, owner.tolist()):
+        cost = workload.coster(layer, ctx)
+        for c in cost.collectives:
+            add(r, c.axis, c.op, c.count * m, c.nbytes)
+        dense[r] += cost.params
+        expert[r] += cost.expert_params
+        blocks[r] += 1 if layer.recomputable else 0
+    for r in range(config.pp):
+        for group, op, nbytes, count in dp_collectives(
+                params=dense[r], expert_params=expert[r], bytes_per_param=workload.dtype_bytes, m=m, k=constants,
+                zero_stage=config.zero_stage, recompute=config.recompute, layers=blocks[r]):
+            if (config.dp * config.cp if group == "dense" else max(1, config.dp // config.ep) * config.cp) > 1:
+                add(r, "dp", op, count, nbytes)
     return tuple(out)
 
 
