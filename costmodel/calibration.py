@@ -17,7 +17,7 @@ times over sizes and rank counts) plus fits that the cost model uses in place of
   to a ``local`` node of that many ranks (4 fp32 matmul processes on 2 cores measured 44 of 88 GFLOP/s each).
 
 ``calibration_from_dict`` validates (``ProfileError`` naming the key); ``costmodel.profiles.load_calibration``
-reads the files (JSON or TOML). The measuring side lives in ``runtime/calibrate.py``; this module is pure.
+reads the files (JSON or TOML). The measuring side lives in ``runtime/measure/calibrate.py``; this module is pure.
 """
 
 from __future__ import annotations

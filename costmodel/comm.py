@@ -1,30 +1,34 @@
-"""Collective communication time on a cluster: alpha-beta model of ring, tree and hierarchical algorithms.
+"""Collective communication time on a cluster: NCCL's algorithms as latency + bytes over ramped bus bandwidth.
 
 Pure functions of (op, bytes, group, cluster). Conventions follow NCCL / nccl-tests:
 
 - ``nbytes`` is the full buffer: the all-reduce buffer, the gathered all-gather output, the unreduced
   reduce-scatter input, each rank's all-to-all send buffer, the broadcast buffer, one send/recv message.
-- Ring, ``n`` ranks, bandwidth ``bw`` (bus bandwidth), per-step latency ``alpha`` (Thakur, Rabenseifner and
-  Gropp, "Optimization of Collective Communication Operations in MPICH", IJHPCA 2005; ``costmodel.collectives``):
-  all-reduce ``2 (n-1)/n S/bw + 2 (n-1) alpha``; all-gather / reduce-scatter ``(n-1)/n S/bw + (n-1) alpha``;
-  all-to-all (pairwise exchange) ``(n-1)/n S/bw + (n-1) alpha``; broadcast (pipelined chain) ``S/bw + (n-1)
-  alpha``; send/recv ``S/bw + alpha``. Tree: latency ``2 log2(n) alpha`` (all-reduce) or ``log2(n) alpha``
-  (broadcast), bandwidth term as the ring's at ``tree_bandwidth`` of its rate.
-- Placement: the group is ranks ``first_rank + k * stride``, k < size, numbered node by node (tp innermost),
-  so a group with ``stride * size <= gpus_per_node`` stays in one node. ``g`` = group members per node,
-  ``N`` = nodes spanned.
-- Multi-node: every GPU of a node is assumed to run its own instance of the same collective at once (SPMD:
-  the other tensor-parallel ranks' data-parallel all-reduces), so the ``nics_per_node`` NICs are shared by the
-  node's GPUs. A flat ring crosses each node boundary once per instance: its rate is
-  ``min(intra bw, node NIC bw * g / gpus_per_node)`` (nccl-tests #119 and #100: 2-3 HGX A100 with 4 HDR NICs
-  measure 85-96 GB/s all-reduce busbw = 4 x 25 GB/s x 0.92). Hierarchical: reduce-scatter in the node,
-  all-reduce of ``S/g`` across nodes on each GPU's rail-NIC share, all-gather in the node:
-  ``2 (g-1)/g S/bw_intra + 2 (N-1)/N (S/g)/bw_nic``. The fastest of ring, tree and hierarchical is taken (what
-  a tuned library picks). The slowest link of the group sets each phase's pace.
-- Achievable rates = datasheet rate x ``CommEfficiency`` (one set of constants for every case, below).
-- Calibration: a cluster whose calibration measured this accelerator (``calibration.accelerator`` equals the
-  node's GPU name, e.g. the ``local`` cluster) uses the fitted alpha and bus bandwidth of each op instead, for
-  groups inside one node (a single machine measures nothing else) and for every group of ``local``.
+- Every algorithm is ``latency + bytes / rate`` per phase (alpha-beta). A phase's rate is its link's plateau
+  bus bandwidth times the message-size ramp of that link's published nccl-tests curve (``profiles/
+  comm_curves.toml``, ``costmodel.comm_ramp``), read at the phase's bytes; a link without a curve runs at
+  ``CommEfficiency``'s fraction of its datasheet rate. Ring terms on ``n`` ranks: all-reduce ``2 (n-1)``
+  steps and ``2 (n-1)/n S``; all-gather / reduce-scatter / all-to-all ``n-1`` and ``(n-1)/n S``; broadcast
+  ``n-1`` and ``S``; send/recv 1 and ``S``.
+- Latency (NCCL ``src/graph/tuning.cc``): a launch ``base_latency_s`` plus one link alpha per ring step,
+  intra-node steps at the NVLink alpha and node-crossing steps at the NIC's. Tree: ``2 ((g-1) a_intra +
+  log2(N) a_nic)`` (a chain inside each node, a tree across nodes). NVLS: ``nvls_latency_s``. PAT: ``8 us +
+  log2(N) a_nic / 3.5 + n 2.8 us``.
+- Algorithms, the fastest of those NCCL has for the op, size and group being taken (what its tuner picks):
+  ring (all ops); double-binary tree (all-reduce across nodes); NVLS (all-reduce inside an NVSwitch domain
+  whose link has an ``nvls`` curve: the switch reduces, bus bandwidth ~480 GB/s on 8x H100 against ~370 for
+  the ring); NVLS tree (NVLS inside each node, a tree across nodes); in-network all-reduce (IB SHARP, NCCL
+  CollNet, where the NIC link says ``sharp``); PAT (all-gather / reduce-scatter with one GPU of the group per
+  node, NCCL 2.23+); pairwise all-to-all; point-to-point send/recv. Multi-phase algorithms are pipelined:
+  the slowest phase sets the pace.
+- Placement: the group is ranks ``first_rank + k * stride``, k < size, numbered node by node (tp innermost);
+  ``g`` = group members per node, ``N`` = nodes spanned. Every GPU of a node is assumed to run its own
+  instance of the same collective at once (SPMD), so a ring crossing nodes gets ``node NIC bw x g /
+  gpus_per_node`` and a per-GPU phase its rail share. The slowest node type of the group sets each rate.
+- ``concurrent_times_s`` prices collectives that run at the same time: each one's busy time on each rank's
+  NVLink and NIC share is shared out equally (processor sharing) with the others on the same resource.
+- Calibration: a cluster whose calibration measured this accelerator (the ``local`` cluster) uses the fitted
+  alpha and bus bandwidth of each op instead, for groups inside one node and for every group of ``local``.
 """
 
 from __future__ import annotations
@@ -32,33 +36,32 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 from costmodel.collectives import COLLECTIVE_OPS, ring_terms
+from costmodel.comm_ramp import Ramp, build_ramp
 from costmodel.errors import ConfigError
-from costmodel.hardware import Cluster, NodeType
+from costmodel.hardware import BusCurve, Cluster, Link, NodeType
 from costmodel.memo import ByIdentity
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CommEfficiency:
-    """Achievable fraction of a link's datasheet rate (nccl-tests bus bandwidth / datasheet per direction).
+    """Achievable fractions and latencies for what the nccl-tests curves do not give. One set for every case.
 
-    One set for every case; no per-case fitting. Sources:
-    - ``nvswitch`` 0.80: nccl-tests all_reduce busbw 8x A100 NVSwitch ~230-240 GB/s of 300 (nccl-tests #100,
-      #149: ~200-235); 8x H100 NVSwitch ~370 of 450 (0.82) without NVLink SHARP.
-    - ``nvlink`` 0.80: point-to-point NVLink (bridges, hybrid cube mesh) as NVSwitch; DGX-1V ring all-reduce
-      ~120-130 GB/s of 150.
-    - ``xgmi`` 0.70: MI300X full mesh; a ring uses one 64 GB/s link per neighbour, RCCL spreads rings over
-      the mesh and reaches ~300-330 GB/s all-reduce busbw of 448 (public rccl-tests reports).
-    - ``pcie`` 0.60: 8 PCIe GPUs in two sockets route rings through the CPU interconnect; nccl issues #841 /
-      nccl-tests #178 report 12-25 GB/s busbw on Gen4 x16 (31.5).
-    - ``infiniband`` 0.92: nccl-tests #119 / #100 (A100, 4x HDR: 85-96 GB/s of 100), H100 46-48 GB/s per
-      400G NIC of 50.
-    - ``roce`` 0.85, ``ethernet`` 0.70 (TCP sockets): nccl issue #495 (8x 100G RoCE: ~75 GB/s of 100).
-    - ``loopback`` 1.0: its numbers come from calibration.
-    - ``tree_bandwidth`` 0.90: NCCL's tree reaches a little less bandwidth than its ring at large sizes.
-    - ``mesh_all_to_all`` 0.50: a hybrid cube mesh connects each GPU to 4 of 7 peers; all-to-all traffic to
-      the others takes two hops.
+    - Per link kind, the fraction of the datasheet rate a link WITHOUT a curve reaches (a link with a curve in
+      ``profiles/comm_curves.toml`` takes the curve's plateau): ``nvlink`` 0.80 (DGX-1V ring all-reduce
+      ~120-130 GB/s of 150), ``xgmi`` 0.70 (MI300X: rccl-tests ~300-330 GB/s of 448), ``pcie`` 0.60
+      (NVIDIA/nccl#841, nccl-tests#178: 12-25 GB/s busbw on Gen4 x16), ``ethernet`` 0.70 (TCP sockets),
+      ``nvswitch`` 0.80, ``infiniband`` 0.92, ``roce`` 0.85 (the curves' kinds, for links without one),
+      ``loopback`` 1.0 (its numbers come from calibration).
+    - ``tree_bandwidth`` 0.92: NCCL's tuner prices the tree all-reduce at 0.92 of the ring's bandwidth.
+    - ``mesh_all_to_all`` 0.50: a hybrid cube mesh connects each GPU to 4 of 7 peers; the rest take two hops.
+    - ``base_latency_s`` 6.6 us, ``nvls_latency_s`` 25 us, ``pat_base_latency_s`` 8 us, ``pat_rank_latency_s``
+      2.8 us, ``pat_log_divisor`` 3.5, ``pat_bandwidth`` 0.75, ``in_network_bandwidth`` 0.85: NCCL's tuner
+      constants (``src/graph/tuning.cc``: ring base latency, NVLS NVLink latency, PAT latency and bandwidth,
+      CollNet bandwidth on Hopper and later).
+    - ``curves`` False prices every link at its kind's fraction with no ramp (the plain alpha-beta model).
     """
 
     nvswitch: float = 0.80
@@ -69,8 +72,16 @@ class CommEfficiency:
     roce: float = 0.85
     ethernet: float = 0.70
     loopback: float = 1.0
-    tree_bandwidth: float = 0.90
+    tree_bandwidth: float = 0.92
     mesh_all_to_all: float = 0.50
+    base_latency_s: float = 6.6e-6
+    nvls_latency_s: float = 25e-6
+    pat_base_latency_s: float = 8e-6
+    pat_rank_latency_s: float = 2.8e-6
+    pat_log_divisor: float = 3.5
+    pat_bandwidth: float = 0.75
+    in_network_bandwidth: float = 0.85
+    curves: bool = True
 
     def of(self, kind: str) -> float:
         return getattr(self, kind)
@@ -96,7 +107,18 @@ class CommCost:
     bus_gbps: float
     """nccl-tests bus bandwidth of the predicted time: ``factor(n) * S / t`` (GB/s)."""
     algorithm: str = ""
-    """``ring``, ``tree``, ``hierarchical``, ``pairwise``, ``p2p``, ``calibrated`` or ``none``."""
+    """``ring``, ``tree``, ``nvls``, ``nvls_tree``, ``in_network``, ``pat``, ``pairwise``, ``p2p``,
+    ``calibrated`` or ``none``."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Collective:
+    """One collective of a set that runs at the same time (``concurrent_times_s``)."""
+
+    op: str
+    nbytes: float
+    group: Group
+    first_rank: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -128,134 +150,221 @@ def _validate(op: str, nbytes: float, group: Group, cluster: Cluster, first_rank
 
 
 def place(group: Group, cluster: Cluster, *, first_rank: int = 0) -> Placement:
-    """Nodes a group spans and members per node (arithmetic for one node type, explicit otherwise)."""
-    if len(cluster.groups) == 1:
-        node = cluster.groups[0].node
-        return _place_uniform(group.size, group.stride, first_rank, node.gpus_per_node, node)
-    return _place_general(group.size, group.stride, first_rank, cluster)
-
-
-def _place_uniform(size: int, stride: int, first_rank: int, gpn: int, node: NodeType) -> Placement:
-    counts: dict[int, int] = {}
-    for k in range(size):
-        n = (first_rank + k * stride) // gpn
-        counts[n] = counts.get(n, 0) + 1
-    return Placement(size=size, nodes=len(counts), members_per_node=min(counts.values()), node_types=(node,))
-
-
-def _place_general(size: int, stride: int, first_rank: int, cluster: Cluster) -> Placement:
+    """Nodes a group spans and members per node."""
     counts: dict[int, int] = {}
     types: list[NodeType] = []
-    for k in range(size):
-        rank = first_rank + k * stride
-        n = cluster.node_of_rank(rank)
+    single = len(cluster.groups) == 1
+    for k in range(group.size):
+        rank = first_rank + k * group.stride
+        n = rank // cluster.gpus_per_node if single else cluster.node_of_rank(rank)
         counts[n] = counts.get(n, 0) + 1
-        node = cluster.node_type_of_rank(rank)
+        node = cluster.groups[0].node if single else cluster.node_type_of_rank(rank)
         if node not in types:
             types.append(node)
-    return Placement(size=size, nodes=len(counts), members_per_node=min(counts.values()), node_types=tuple(types))
+    return Placement(size=group.size, nodes=len(counts), members_per_node=min(counts.values()),
+                     node_types=tuple(types))
+
+
+# ------------------------------------------------------------------------------------------ rates and ramps
+
+
+@dataclass(frozen=True, slots=True)
+class _Rate:
+    """A phase's plateau rate (bytes/s), the ramp of its link (None: flat) and the link kind."""
+
+    bps: float
+    ramp: Ramp | None
+    kind: str
+
+    def at(self, nbytes: float) -> float:
+        """Bytes/s the phase reaches on a message of ``nbytes``."""
+        if self.ramp is None:
+            return self.bps
+        return self.bps * self.ramp.fraction(nbytes, self.bps / 1e9)
+
+    def scaled(self, factor: float) -> _Rate:
+        return _Rate(self.bps * factor, self.ramp, self.kind)
+
+
+def _reference_latency_s(curve: BusCurve, eff: CommEfficiency) -> float:
+    """The model's latency for a curve's own group (what ``build_ramp`` subtracts from the measured times)."""
+    if curve.algorithm == "nvls":
+        return eff.nvls_latency_s
+    steps, _ = ring_terms(curve.op, curve.ranks)
+    if curve.nodes == 1:
+        return eff.base_latency_s + steps * curve.link_latency_s
+    inter = 2 * (curve.nodes - 1) if curve.op == "all_reduce" else curve.nodes - 1
+    return eff.base_latency_s + (steps - inter) * 1e-6 + inter * curve.link_latency_s  # NVSwitch alpha inside
+
+
+@functools.lru_cache(maxsize=256)
+def curve_ramp(curve: BusCurve, eff: CommEfficiency = DEFAULT_EFFICIENCY) -> Ramp:
+    """The ramp of a published curve (``costmodel.comm_ramp``), with its shape curve's below its points."""
+    shape = curve_ramp(curve.shape, eff) if curve.shape is not None else None
+    return build_ramp(curve, _reference_latency_s(curve, eff), shape)
+
+
+def _link_rate(link: Link, eff: CommEfficiency, ranks: int, algorithm: str = "ring") -> _Rate | None:
+    """The bus-bandwidth rate of ``link`` for the ring (or ``nvls``) family on ``ranks`` GPUs: its curve's
+    plateau fraction and ramp, or the kind's fraction and no ramp; None for ``nvls`` on a link without
+    in-switch reduction. NVLS moves each GPU's buffer once each way whatever the group size (its algorithm
+    bandwidth, ~275 GB/s on H100, is what stays fixed), so its bus bandwidth scales as 2 (n-1)/n."""
+    curve = link.curve(algorithm, ranks) if eff.curves else None
+    if curve is None:
+        if algorithm == "nvls":
+            return None
+        return _Rate(link.gbps_per_direction * eff.of(link.kind) * 1e9, None, link.kind)
+    bps = link.gbps_per_direction * curve.plateau_fraction * 1e9
+    if algorithm == "nvls":
+        bps *= ring_terms("all_reduce", max(ranks, 2))[1] / ring_terms("all_reduce", curve.ranks)[1]
+    return _Rate(bps, curve_ramp(curve, eff), link.kind)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _Links:
-    """Effective rates (bytes/s) and latencies of a placement, worst case over the spanned nodes."""
+    """Rates and latencies of a placement, the slowest node type spanned setting each."""
 
-    intra_bps: float
-    intra_alpha_s: float
-    intra_kind: str
-    nic_ring_bps: float
-    """NIC bandwidth one instance's flat ring gets per node: node NIC total x g / gpus_per_node."""
-    nic_gpu_bps: float
+    intra: _Rate
+    nvls: _Rate | None
+    """In-switch all-reduce bus bandwidth, if every node spanned has it."""
+    nic_node: _Rate
+    """All the node's NICs together (a ring crossing nodes gets ``g / gpus_per_node`` of it)."""
+    nic_gpu: _Rate
     """NIC bandwidth per GPU when every GPU of the node sends (rail share)."""
+    gpus_per_node: int
+    intra_alpha_s: float
     nic_alpha_s: float
-    nic_kind: str
     topology: str
+    sharp: bool
+
+
+def _slowest(rates: list[_Rate]) -> _Rate:
+    return min(rates, key=lambda r: r.bps)
 
 
 def _links(p: Placement, eff: CommEfficiency) -> _Links:
-    intra = min(p.node_types, key=lambda t: t.intra.gbps_per_direction * eff.of(t.intra.kind))
-    nic_gpu = min(t.nic_gbps_per_gpu * eff.of(t.nic.kind) for t in p.node_types)
-    ring_share = min(
-        t.nic.gbps_per_direction * t.nics_per_node * eff.of(t.nic.kind) * p.members_per_node / t.gpus_per_node
-        for t in p.node_types
-    )
-    slow_nic = min(p.node_types, key=lambda t: t.nic_gbps_per_gpu * eff.of(t.nic.kind))
+    types, g = p.node_types, p.members_per_node
+    nvls = [_link_rate(t.intra, eff, g, "nvls") for t in types]
+    nic = [_link_rate(t.nic, eff, p.size) for t in types]
     return _Links(
-        intra_bps=intra.intra.gbps_per_direction * eff.of(intra.intra.kind) * 1e9,
-        intra_alpha_s=max(t.intra.latency_s for t in p.node_types),
-        intra_kind=intra.intra.kind,
-        nic_ring_bps=ring_share * 1e9,
-        nic_gpu_bps=nic_gpu * 1e9,
-        nic_alpha_s=max(t.nic.latency_s for t in p.node_types),
-        nic_kind=slow_nic.nic.kind,
-        topology=intra.intra_topology,
+        intra=_slowest([_link_rate(t.intra, eff, g) for t in types]),  # type: ignore[misc]
+        nvls=None if any(r is None for r in nvls) else _slowest(nvls),  # type: ignore[arg-type]
+        nic_node=_slowest([r.scaled(t.nics_per_node) for r, t in zip(nic, types)]),
+        nic_gpu=_slowest([r.scaled(min(1.0, t.nics_per_node / t.gpus_per_node)) for r, t in zip(nic, types)]),
+        gpus_per_node=max(t.gpus_per_node for t in types),
+        intra_alpha_s=max(t.intra.latency_s for t in types),
+        nic_alpha_s=max(t.nic.latency_s for t in types),
+        topology=min(types, key=lambda t: t.intra.gbps_per_direction).intra_topology,
+        sharp=all(t.nic.sharp for t in types),
     )
+
+
+# ------------------------------------------------------------------------------------------ algorithms
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """An algorithm: latency plus pipelined phases (the slowest one sets the pace), each ``(resource, bus
+    bytes, rate, message bytes)``: ``resource`` is ``intra`` (the GPU's NVLink) or ``nic`` (its NIC share),
+    the rate is read at the message size the phase's link sees (its ramp is keyed by nccl-tests sizes)."""
+
+    algorithm: str
+    latency_s: float
+    phases: tuple[tuple[str, float, _Rate, float], ...]
+
+    def _phase_s(self) -> list[float]:
+        return [nbytes / rate.at(msg) for _, nbytes, rate, msg in self.phases]
+
+    def busy_s(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for (resource, *_), t in zip(self.phases, self._phase_s()):
+            out[resource] = out.get(resource, 0.0) + t
+        return out
+
+    def time_s(self) -> float:
+        return self.latency_s + max(self._phase_s())
+
+    def kind(self) -> str:
+        times = self._phase_s()
+        return self.phases[times.index(max(times))][2].kind
+
+
+def _single_node(op: str, nbytes: float, n: int, links: _Links, eff: CommEfficiency) -> list[_Plan]:
+    base, alpha = eff.base_latency_s, links.intra_alpha_s
+    steps, factor = ring_terms(op, n)
+    if op == "send_recv":
+        return [_Plan("p2p", base + alpha, (("intra", nbytes, links.intra, nbytes),))]
+    rate = links.intra
+    if op == "all_to_all":
+        if links.topology == "hybrid-cube-mesh":
+            rate = rate.scaled(eff.mesh_all_to_all)
+        return [_Plan("pairwise", base + steps * alpha, (("intra", factor * nbytes, rate, nbytes),))]
+    plans = [_Plan("ring", base + steps * alpha, (("intra", factor * nbytes, rate, nbytes),))]
+    if op == "all_reduce" and links.nvls is not None:
+        plans.append(_Plan("nvls", eff.nvls_latency_s, (("intra", factor * nbytes, links.nvls, nbytes),)))
+    return plans
+
+
+def _multi_node(op: str, nbytes: float, p: Placement, links: _Links, eff: CommEfficiency) -> list[_Plan]:
+    n, g, nodes = p.size, p.members_per_node, p.nodes
+    base, a_in, a_net = eff.base_latency_s, links.intra_alpha_s, links.nic_alpha_s
+    steps, factor = ring_terms(op, n)
+    if op == "send_recv":
+        return [_Plan("p2p", base + a_net, (("nic", nbytes, links.nic_gpu, nbytes),))]
+    if op == "all_to_all":  # pairwise: (g-1)/n of the buffer to node peers, (n-g)/n across on the rail share
+        phases = [("nic", (n - g) / n * nbytes, links.nic_gpu, nbytes)]
+        if g > 1:
+            phases.append(("intra", (g - 1) / n * nbytes, links.intra, nbytes))
+        return [_Plan("pairwise", base + steps * max(a_in, a_net), tuple(phases))]
+    share = links.nic_node.scaled(g / links.gpus_per_node)  # this instance's part of the node's NICs
+    ring_phases = [("nic", factor * nbytes, share, nbytes)]
+    if g > 1:
+        ring_phases.append(("intra", factor * nbytes, links.intra, nbytes))
+    inter_steps = 2 * (nodes - 1) if op == "all_reduce" else nodes - 1
+    plans = [_Plan("ring", base + (steps - inter_steps) * a_in + inter_steps * a_net, tuple(ring_phases))]
+    depth = math.ceil(math.log2(nodes))
+    if op == "all_reduce":
+        tree = [(r, b, rate.scaled(eff.tree_bandwidth), m) for r, b, rate, m in ring_phases]
+        plans.append(_Plan("tree", base + 2 * ((g - 1) * a_in + depth * a_net), tuple(tree)))
+        plans.extend(_switch_reduction(nbytes, p, links, eff, share))
+    if op in ("all_gather", "reduce_scatter") and g == 1:  # PAT: one GPU of the group per node
+        lat = eff.pat_base_latency_s + depth * a_net / eff.pat_log_divisor + n * eff.pat_rank_latency_s
+        plans.append(_Plan("pat", lat, (("nic", factor * nbytes, links.nic_gpu.scaled(eff.pat_bandwidth), nbytes),)))
+    return plans
+
+
+def _switch_reduction(nbytes: float, p: Placement, links: _Links, eff: CommEfficiency, share: _Rate) -> list[_Plan]:
+    """All-reduce with the reduction in a switch: NVLS inside each node and a tree across (NVLS tree), or the
+    InfiniBand switches (SHARP: in-network, each GPU's NIC share sends and receives S / g once)."""
+    n, g, nodes = p.size, p.members_per_node, p.nodes
+    factor = ring_terms("all_reduce", n)[1]
+    plans = []
+    depth = math.ceil(math.log2(nodes))
+    if links.nvls is not None and g > 1:
+        inter = share.scaled(2.0 if nodes <= 2 else 1.0)  # NCCL: the 2-node tree halves the traffic
+        phases = (("intra", factor * nbytes, links.nvls, nbytes), ("nic", factor * nbytes, inter, nbytes))
+        plans.append(_Plan("nvls_tree", eff.nvls_latency_s + 2 * depth * links.nic_alpha_s, phases))
+    if links.sharp:
+        intra = links.nvls if links.nvls is not None else links.intra
+        per_gpu = nbytes / g
+        phases_s = [("nic", per_gpu, links.nic_gpu.scaled(eff.in_network_bandwidth), per_gpu)]
+        if g > 1:
+            phases_s.append(("intra", ring_terms("all_reduce", g)[1] * nbytes, intra, nbytes))
+        lat = eff.base_latency_s + 2 * (g - 1) * links.intra_alpha_s + 2 * links.nic_alpha_s
+        plans.append(_Plan("in_network", lat, tuple(phases_s)))
+    return plans
+
+
+def _plans(op: str, nbytes: float, p: Placement, links: _Links, eff: CommEfficiency) -> list[_Plan]:
+    if p.nodes == 1:
+        return _single_node(op, nbytes, p.size, links, eff)
+    return _multi_node(op, nbytes, p, links, eff)
 
 
 def _cost(op: str, nbytes: float, n: int, time_s: float, kind: str, algorithm: str) -> CommCost:
     factor = ring_terms(op, n)[1]
     bus = factor * nbytes / time_s / 1e9 if time_s > 0 else 0.0
     return CommCost(time_s=time_s, link_kind=kind, bus_gbps=bus, algorithm=algorithm)
-
-
-def _ring(op: str, nbytes: float, n: int, bw_bps: float, alpha_s: float) -> float:
-    steps, factor = ring_terms(op, n)
-    return steps * alpha_s + factor * nbytes / bw_bps
-
-
-def _tree(op: str, nbytes: float, n: int, bw_bps: float, alpha_s: float, eff: CommEfficiency) -> float:
-    """Double binary tree (all-reduce) / binomial tree (broadcast)."""
-    depth = math.ceil(math.log2(n))
-    if op == "all_reduce":
-        return 2.0 * depth * alpha_s + 2.0 * (n - 1) / n * nbytes / (bw_bps * eff.tree_bandwidth)
-    return depth * alpha_s + nbytes / (bw_bps * eff.tree_bandwidth)  # broadcast
-
-
-def _single_node(op: str, nbytes: float, n: int, links: _Links, eff: CommEfficiency) -> CommCost:
-    bw, alpha, kind = links.intra_bps, links.intra_alpha_s, links.intra_kind
-    if op == "all_to_all" and links.topology == "hybrid-cube-mesh":
-        bw *= eff.mesh_all_to_all
-    if op == "send_recv":
-        return _cost(op, nbytes, n, alpha + nbytes / bw, kind, "p2p")
-    ring = _ring(op, nbytes, n, bw, alpha)
-    if op in ("all_reduce", "broadcast"):
-        tree = _tree(op, nbytes, n, bw, alpha, eff)
-        if tree < ring:
-            return _cost(op, nbytes, n, tree, kind, "tree")
-    return _cost(op, nbytes, n, ring, kind, "pairwise" if op == "all_to_all" else "ring")
-
-
-def _multi_node(op: str, nbytes: float, p: Placement, links: _Links, eff: CommEfficiency) -> CommCost:
-    n, g, nodes = p.size, p.members_per_node, p.nodes
-    alpha = max(links.intra_alpha_s, links.nic_alpha_s)
-    # flat ring / tree over all n ranks: bottleneck of the intra hops (if any) and the node-boundary crossing
-    ring_bw = links.nic_ring_bps if g == 1 else min(links.intra_bps, links.nic_ring_bps)
-    ring_kind = links.nic_kind if ring_bw == links.nic_ring_bps else links.intra_kind
-    if op == "send_recv":
-        return _cost(op, nbytes, n, links.nic_alpha_s + nbytes / links.nic_gpu_bps, links.nic_kind, "p2p")
-    if op == "all_to_all":
-        intra_t = (g - 1) / n * nbytes / links.intra_bps
-        inter_t = (n - g) / n * nbytes / links.nic_gpu_bps
-        kind = links.nic_kind if inter_t >= intra_t else links.intra_kind
-        return _cost(op, nbytes, n, (n - 1) * alpha + max(intra_t, inter_t), kind, "pairwise")
-    candidates = [(_ring(op, nbytes, n, ring_bw, alpha), ring_kind, "ring")]
-    if op in ("all_reduce", "broadcast"):
-        candidates.append((_tree(op, nbytes, n, ring_bw, alpha, eff), ring_kind, "tree"))
-    if g > 1 and op in ("all_reduce", "all_gather", "reduce_scatter"):
-        candidates.append(_hierarchical(op, nbytes, g, nodes, links))
-    time_s, kind, algorithm = min(candidates, key=lambda c: c[0])
-    return _cost(op, nbytes, n, time_s, kind, algorithm)
-
-
-def _hierarchical(op: str, nbytes: float, g: int, nodes: int, links: _Links) -> tuple[float, str, str]:
-    """Intra reduce-scatter (S over g) + inter collective of S/g over N on rail NICs + intra all-gather."""
-    intra_op = "reduce_scatter" if op != "all_gather" else "all_gather"
-    intra_t = _ring(intra_op, nbytes, g, links.intra_bps, links.intra_alpha_s)
-    if op == "all_reduce":
-        intra_t *= 2.0  # reduce-scatter before and all-gather after
-    inter_t = _ring(op, nbytes / g, nodes, links.nic_gpu_bps, links.nic_alpha_s)
-    kind = links.nic_kind if inter_t >= intra_t else links.intra_kind
-    return intra_t + inter_t, kind, "hierarchical"
 
 
 def _calibrated(op: str, nbytes: float, n: int, cluster: Cluster, kind: str, nodes: int) -> CommCost | None:
@@ -272,6 +381,9 @@ def _calibrated(op: str, nbytes: float, n: int, cluster: Cluster, kind: str, nod
     steps, factor = ring_terms(op, n)
     time_s = steps * fit.latency_s + factor * nbytes / (fit.bus_gbps * 1e9)
     return _cost(op, nbytes, n, time_s, kind, "calibrated")
+
+
+# ------------------------------------------------------------------------------------------ public entries
 
 
 def collective_time_s(
@@ -294,7 +406,6 @@ def collective_time_s(
     return _collective_cached(*key)
 
 
-
 @functools.lru_cache(maxsize=16384)
 def _collective_cached(op: str, nbytes: float, nbytes_type: type, size: int, stride: int, first_rank: int,
                        cluster: ByIdentity, efficiency: CommEfficiency | None) -> CommCost:
@@ -306,16 +417,32 @@ def _collective_cached(op: str, nbytes: float, nbytes_type: type, size: int, str
 def _collective_time_s(op: str, nbytes: float, group: Group, cluster: Cluster, *, first_rank: int,
                        efficiency: CommEfficiency | None) -> CommCost:
     _validate(op, nbytes, group, cluster, first_rank)
-    placement, links = _geometry(group.size, group.stride, first_rank, cluster, efficiency or DEFAULT_EFFICIENCY)
+    eff = efficiency or DEFAULT_EFFICIENCY
+    placement, links = _geometry(group.size, group.stride, first_rank, cluster, eff)
     if group.size == 1 or nbytes == 0:
-        return CommCost(time_s=0.0, link_kind=links.intra_kind, bus_gbps=0.0, algorithm="none")
-    kind = links.intra_kind if placement.nodes == 1 else links.nic_kind
+        return CommCost(time_s=0.0, link_kind=links.intra.kind, bus_gbps=0.0, algorithm="none")
+    kind = links.intra.kind if placement.nodes == 1 else links.nic_gpu.kind
     calibrated = _calibrated(op, nbytes, group.size, cluster, kind, placement.nodes)
     if calibrated is not None:
         return calibrated
-    if placement.nodes == 1:
-        return _single_node(op, nbytes, group.size, links, efficiency or DEFAULT_EFFICIENCY)
-    return _multi_node(op, nbytes, placement, links, efficiency or DEFAULT_EFFICIENCY)
+    best = _best_plan(op, nbytes, placement, links, eff)
+    return _cost(op, nbytes, group.size, best.time_s(), best.kind(), best.algorithm)
+
+
+def algorithm_times_s(op: str, nbytes: float, group: Group, cluster: Cluster, *, first_rank: int = 0,
+                      efficiency: CommEfficiency | None = None) -> dict[str, float]:
+    """Seconds of every algorithm the model has for ``op`` on this group (``collective_time_s`` takes the
+    fastest): e.g. ``{"ring": ..., "nvls": ...}`` for an all-reduce inside an H100 node."""
+    _validate(op, nbytes, group, cluster, first_rank)
+    eff = efficiency or DEFAULT_EFFICIENCY
+    placement, links = _geometry(group.size, group.stride, first_rank, cluster, eff)
+    if group.size == 1 or nbytes == 0:
+        return {"none": 0.0}
+    return {plan.algorithm: plan.time_s() for plan in _plans(op, nbytes, placement, links, eff)}
+
+
+def _best_plan(op: str, nbytes: float, placement: Placement, links: _Links, eff: CommEfficiency) -> _Plan:
+    return min(_plans(op, nbytes, placement, links, eff), key=lambda plan: plan.time_s())
 
 
 def _geometry(size: int, stride: int, first_rank: int, cluster: Cluster, eff: CommEfficiency) -> tuple[Placement, _Links]:
@@ -326,3 +453,51 @@ def _geometry(size: int, stride: int, first_rank: int, cluster: Cluster, eff: Co
 def _geometry_cached(size: int, stride: int, first_rank: int, groups: tuple, eff: CommEfficiency) -> tuple[Placement, _Links]:
     placement = place(Group(size=size, stride=stride), Cluster(name="", groups=groups), first_rank=first_rank)
     return placement, _links(placement, eff)
+
+
+def concurrent_times_s(collectives: Sequence[Collective], cluster: Cluster, *,
+                       efficiency: CommEfficiency | None = None) -> tuple[CommCost, ...]:
+    """Times of collectives that start together and share links (e.g. a data-parallel reduce-scatter and the
+    pipeline send/recv on the same NICs; tensor-parallel all-reduces on NVLink beside data-parallel traffic
+    that also crosses NVLink).
+
+    Each collective is priced alone (its algorithm as ``collective_time_s`` picks it), then its busy time on
+    each member rank's NVLink (``intra``) and NIC share (``nic``) is shared equally with the other collectives
+    busy on the same rank's same resource (processor sharing: collective ``i`` finishes its part on a resource
+    at ``sum_j min(d_j, d_i)`` of the busy times there). Its time is its latency plus the latest of those, and
+    never less than alone. Collectives on disjoint ranks or resources do not slow each other. Memoized (the
+    cluster by identity)."""
+    return _concurrent_cached(tuple(collectives), ByIdentity(cluster), efficiency)
+
+
+@functools.lru_cache(maxsize=4096)
+def _concurrent_cached(collectives: tuple[Collective, ...], cluster_id: ByIdentity,
+                       efficiency: CommEfficiency | None) -> tuple[CommCost, ...]:
+    cluster: Cluster = cluster_id.obj
+    eff = efficiency or DEFAULT_EFFICIENCY
+    alone = [collective_time_s(c.op, c.nbytes, c.group, cluster, first_rank=c.first_rank, efficiency=efficiency)
+             for c in collectives]
+    demands: list[dict[tuple[str, int], float]] = []
+    latency: list[float] = []
+    for c, cost in zip(collectives, alone):
+        plan = _plan_of(c, cluster, eff, cost)
+        if plan is None:  # calibrated, trivial: not shared
+            demands.append({})
+            latency.append(cost.time_s)
+            continue
+        ranks = [c.first_rank + k * c.group.stride for k in range(c.group.size)]
+        demands.append({(res, r): busy for res, busy in plan.busy_s().items() for r in ranks})
+        latency.append(plan.latency_s)
+    out = []
+    for i, (c, cost) in enumerate(zip(collectives, alone)):
+        shared = [sum(min(d[key], di) for d in demands if key in d) for key, di in demands[i].items()]
+        time_s = max(cost.time_s, latency[i] + max(shared, default=0.0))
+        out.append(_cost(c.op, c.nbytes, c.group.size, time_s, cost.link_kind, cost.algorithm))
+    return tuple(out)
+
+
+def _plan_of(c: Collective, cluster: Cluster, eff: CommEfficiency, cost: CommCost) -> _Plan | None:
+    if cost.algorithm in ("calibrated", "none"):
+        return None
+    placement, links = _geometry(c.group.size, c.group.stride, c.first_rank, cluster, eff)
+    return _best_plan(c.op, c.nbytes, placement, links, eff)

@@ -14,6 +14,7 @@ Conventions:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -25,6 +26,9 @@ if TYPE_CHECKING:  # pragma: no cover
 LinkKind = Literal["nvlink", "nvswitch", "xgmi", "pcie", "infiniband", "roce", "ethernet", "loopback"]
 LINK_KINDS: tuple[str, ...] = ("nvlink", "nvswitch", "xgmi", "pcie", "infiniband", "roce", "ethernet", "loopback")
 DTYPES: tuple[str, ...] = ("bf16", "fp16", "tf32", "fp32", "fp8", "fp4")
+CURVE_ALGORITHMS: tuple[str, ...] = ("ring", "auto", "nvls")
+"""``ring`` (NCCL_ALGO=Ring), ``auto`` (NCCL's own choice where that is ring / tree: no in-switch reduction on
+the system), ``nvls`` (NVLink SHARP: the reduction runs in the NVSwitch)."""
 INTRA_TOPOLOGIES: tuple[str, ...] = ("switch", "full-mesh", "hybrid-cube-mesh", "pcie-tree", "shared-memory")
 
 # A dtype the device lacks falls back to the nearest one it has (V100 has no bf16 / tf32 tensor cores: a bf16
@@ -35,7 +39,7 @@ _DTYPE_FALLBACK: dict[str, tuple[str, ...]] = {
     "tf32": ("tf32", "fp32"),
     "fp32": ("fp32",),
     "fp8": ("fp8",),
-    "fp4": ("fp4",),
+    "fp4": ("fp4",),  # no fallback: NVFP4 GEMMs need FP4 tensor cores (Blackwell)
 }
 
 
@@ -90,6 +94,41 @@ class Accelerator:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class BusCurve:
+    """A published nccl-tests curve: bus bandwidth ``busbw_gbps[i]`` at message size ``sizes_bytes[i]`` (the
+    nccl-tests size: the full buffer) for ``op`` run with ``algorithm`` on ``ranks`` GPUs over ``nodes`` nodes."""
+
+    name: str
+    op: str
+    algorithm: str
+    """One of ``CURVE_ALGORITHMS``."""
+    ranks: int
+    nodes: int
+    link: str
+    """The links.toml entry whose rate bounds the measured collective."""
+    link_latency_s: float
+    """That link's ``latency_s`` (the alpha the ramp is derived with)."""
+    reference_gbps: float
+    """Datasheet rate the bus bandwidth is compared with: the link's rate per GPU for a fabric inside a node,
+    the NIC rate times the NICs a ring crossing nodes uses (e.g. 4 NICs x 25 GB/s)."""
+    sizes_bytes: tuple[float, ...]
+    busbw_gbps: tuple[float, ...]
+    source: str
+    shape: BusCurve | None = None
+    """A curve whose ramp this one follows below its own smallest size (when its points start at large sizes)."""
+
+    @property
+    def plateau_gbps(self) -> float:
+        """The largest bus bandwidth measured."""
+        return max(self.busbw_gbps)
+
+    @property
+    def plateau_fraction(self) -> float:
+        """Plateau bus bandwidth / datasheet rate: the achievable fraction of the link."""
+        return self.plateau_gbps / self.reference_gbps
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Link:
     """One kind of link: bandwidth in one direction and per-message latency."""
 
@@ -100,11 +139,28 @@ class Link:
     latency_s: float
     """Latency of one message hop (the alpha of the alpha-beta model), seconds."""
     source: str
+    curves: tuple[BusCurve, ...] = ()
+    """Published nccl-tests curves of this link: their plateau sets the achievable rate and their ramp the rate
+    at each message size; an ``nvls`` curve means the switch reduces in-network. Several curves of one
+    algorithm family measured on different group sizes: the nearest size (in log2) is used."""
+    sharp: bool = False
+    """The network behind this NIC reduces in the switch (InfiniBand SHARP, NCCL CollNet)."""
+
+    def curve(self, algorithm: str, ranks: int = 8) -> BusCurve | None:
+        """The curve for ``nvls`` or for ``ring`` (a ``ring`` curve before an ``auto`` one) measured on the
+        group size nearest ``ranks``; None if the link has none."""
+        family = ("nvls",) if algorithm == "nvls" else ("ring", "auto")
+        found = [c for c in self.curves if c.algorithm in family]
+        if not found:
+            return None
+        return min(found, key=lambda c: (abs(math.log2(c.ranks) - math.log2(max(ranks, 1))),
+                                         family.index(c.algorithm)))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class NodeType:
-    """A server: ``gpus_per_node`` accelerators on an intra-node fabric, ``nics_per_node`` NICs out."""
+    """A server, or one NVLink domain: ``gpus_per_node`` accelerators on an intra-node fabric, ``nics_per_node``
+    NICs out (an NVL72 rack is one node of 72 GPUs on its NVLink Switch System with the 72 NICs of its trays)."""
 
     name: str
     gpu: Accelerator

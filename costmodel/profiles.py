@@ -8,8 +8,8 @@ once per process (an ``lru_cache`` of immutable results keyed by directory).
 
 Cluster specs accepted by ``resolve_cluster``: a node type name (``dgx-a100-80gb``) times ``nodes``;
 ``local`` (CPU processes on this machine; uses a calibration when given); a ``.toml`` cluster file with
-``[[groups]]`` of node types (heterogeneous clusters), optionally defining its own ``[nodes.*]`` and
-``[links.*]``.
+``[[groups]]`` of node types (heterogeneous clusters), optionally defining its own ``[nodes.*]``,
+``[links.*]`` and ``[curves.*]``. Links name their nccl-tests curves (``comm_curves.toml``) by ``curves``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import functools
 import json
 import logging
 import tomllib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
@@ -27,10 +27,12 @@ from typing import Any, Mapping
 from costmodel.calibration import Calibration, calibration_from_dict, shared_by
 from costmodel.errors import ProfileError
 from costmodel.hardware import (
+    CURVE_ALGORITHMS,
     DTYPES,
     INTRA_TOPOLOGIES,
     LINK_KINDS,
     Accelerator,
+    BusCurve,
     Cluster,
     Link,
     NodeGroup,
@@ -52,6 +54,8 @@ class ProfileDB:
     accelerators: Mapping[str, Accelerator]
     links: Mapping[str, Link]
     nodes: Mapping[str, NodeType]
+    curves: Mapping[str, BusCurve] = field(default_factory=lambda: MappingProxyType({}))
+    """Published nccl-tests curves (``comm_curves.toml``) by name."""
 
 
 # ------------------------------------------------------------------------------------------ validation
@@ -107,6 +111,21 @@ class _Table:
             self.fail(f"key {key!r} = {value!r} must be a positive finite number")
         return value if integer else float(value)
 
+    def boolean(self, key: str) -> bool:
+        value = self._raw(key, False, False)
+        if not isinstance(value, bool):
+            self.fail(f"key {key!r} = {value!r} must be true or false")
+        return value
+
+    def numbers(self, key: str) -> tuple[float, ...]:
+        value = self._raw(key, None, True)
+        if not isinstance(value, list) or not value:
+            self.fail(f"key {key!r} must be a non-empty list of positive numbers")
+        for v in value:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+                self.fail(f"key {key!r} holds {v!r}; every entry must be a positive finite number")
+        return tuple(float(v) for v in value)
+
     def strings(self, key: str) -> tuple[str, ...]:
         value = self._raw(key, [], False)
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
@@ -120,7 +139,10 @@ class _Table:
 
 
 _ACCEL_KEYS = ("vendor", "kind", "memory_gb", "hbm_gbps", "peak_tflops", "source", "aliases", "nvlink_link", "pcie_link")
-_LINK_KEYS = ("kind", "gbps_per_direction", "latency_s", "source")
+_LINK_KEYS = ("kind", "gbps_per_direction", "latency_s", "source", "curves", "sharp")
+_CURVE_KEYS = ("op", "algorithm", "ranks", "nodes", "link", "reference_gbps", "sizes_bytes", "busbw_gbps", "shape",
+               "source")  # fmt: skip
+_CURVE_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 _NODE_KEYS = ("gpu", "gpus_per_node", "intra", "intra_topology", "nic", "nics_per_node", "price_per_gpu_hour",
               "price_source", "source")  # fmt: skip
 
@@ -146,16 +168,68 @@ def _parse_accelerator(name: str, data: Any, *, file: Path | str) -> Accelerator
     )
 
 
-def _parse_link(name: str, data: Any, *, file: Path | str) -> Link:
+def _parse_link(name: str, data: Any, *, file: Path | str, curves: Mapping[str, BusCurve]) -> Link:
     t = _Table(data, file=file, where=f"links.{name}")
     t.check_keys(_LINK_KEYS)
+    chosen = []
+    for curve_name in t.strings("curves"):
+        if curve_name not in curves:
+            t.fail(f"key 'curves' names {curve_name!r}, not a curve of comm_curves.toml; "
+                   f"known: {', '.join(sorted(curves))}")
+        chosen.append(curves[curve_name])
+    for kinds in (("nvls",), ("ring", "auto")):
+        sizes = [c.ranks for c in chosen if c.algorithm in kinds]
+        if len(sizes) != len(set(sizes)):
+            t.fail(f"key 'curves' lists two {' / '.join(kinds)} curves of the same group size; keep one per size")
     return Link(
         name=name,
         kind=t.string("kind", allowed=LINK_KINDS),  # type: ignore[arg-type]
         gbps_per_direction=t.number("gbps_per_direction"),
         latency_s=t.number("latency_s"),
         source=t.string("source"),
+        curves=tuple(chosen),
+        sharp=t.boolean("sharp"),
     )
+
+
+def _parse_curve(name: str, data: Any, *, file: Path | str, link_latency: Mapping[str, float],
+                 shapes: dict) -> BusCurve:
+    """One ``[curves.NAME]`` table; ``shapes`` maps names to curves parsed so far (a shape is named before use)."""
+    t = _Table(data, file=file, where=f"curves.{name}")
+    t.check_keys(_CURVE_KEYS)
+    link = t.string("link")
+    if link not in link_latency:
+        t.fail(f"key 'link' = {link!r} is not a link of links.toml; known: {', '.join(sorted(link_latency))}")
+    sizes, busbw = t.numbers("sizes_bytes"), t.numbers("busbw_gbps")
+    if len(sizes) != len(busbw):
+        t.fail(f"sizes_bytes has {len(sizes)} entries and busbw_gbps {len(busbw)}; give one busbw per size")
+    if any(b <= a for a, b in zip(sizes, sizes[1:])):
+        t.fail("sizes_bytes must increase")
+    shape_name = t.string("shape", required=False)
+    if shape_name and shape_name not in shapes:
+        t.fail(f"key 'shape' = {shape_name!r} is not a curve defined above it; known: {', '.join(sorted(shapes))}")
+    ranks, nodes = t.number("ranks", integer=True), t.number("nodes", integer=True)
+    if ranks < 2 or nodes > ranks or ranks % nodes:
+        t.fail(f"ranks = {ranks}, nodes = {nodes}: need ranks >= 2 spread evenly over the nodes")
+    return BusCurve(
+        name=name, op=t.string("op", allowed=_CURVE_OPS), algorithm=t.string("algorithm", allowed=CURVE_ALGORITHMS),
+        ranks=ranks, nodes=nodes, link=link, link_latency_s=link_latency[link],
+        reference_gbps=t.number("reference_gbps"), sizes_bytes=sizes, busbw_gbps=busbw, source=t.string("source"),
+        shape=shapes[shape_name] if shape_name else None,
+    )  # fmt: skip
+
+
+def _parse_curves(curves: dict, links: dict, *, file: Path | str, base: Mapping[str, BusCurve]) -> dict[str, BusCurve]:
+    """The curves of ``curves`` (in file order, so a shape precedes its users), resolving links in ``links``."""
+    latency: dict[str, float] = {}
+    for n, d in links.items():
+        value = d.get("latency_s") if isinstance(d, dict) else None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            latency[n] = float(value)
+    out = dict(base)
+    for n, d in curves.items():
+        out[n] = _parse_curve(n, d, file=file, link_latency=latency, shapes=out)
+    return out
 
 
 def _lookup(table: _Table, key: str, known: Mapping[str, Any], what: str) -> Any:
@@ -192,31 +266,42 @@ def _section(data: dict, key: str, *, file: Path | str, required: bool) -> dict:
     return data[key]
 
 
-def parse_profiles(*, accelerators: dict, links: dict, nodes: dict, files: tuple[str, str, str], base: ProfileDB | None = None) -> ProfileDB:
-    """Build a ``ProfileDB`` from parsed TOML sections (extending ``base`` if given)."""
+def parse_profiles(*, accelerators: dict, links: dict, nodes: dict, files: tuple[str, ...],
+                   base: ProfileDB | None = None, curves: dict | None = None) -> ProfileDB:
+    """Build a ``ProfileDB`` from parsed TOML sections (extending ``base`` if given); ``files`` names the
+    accelerators, links, nodes (and curves) files for error messages."""
     accels = dict(base.accelerators) if base else {}
     accels.update({n: _parse_accelerator(n, d, file=files[0]) for n, d in accelerators.items()})
+    base_links = {n: {"latency_s": link.latency_s} for n, link in base.links.items()} if base else {}
+    curve_map = _parse_curves(curves or {}, {**base_links, **links}, file=files[-1],
+                              base=base.curves if base else {})
     link_map = dict(base.links) if base else {}
-    link_map.update({n: _parse_link(n, d, file=files[1]) for n, d in links.items()})
+    link_map.update({n: _parse_link(n, d, file=files[1], curves=curve_map) for n, d in links.items()})
     node_map = dict(base.nodes) if base else {}
     node_map.update(
         {n: _parse_node(n, d, file=files[2], accelerators=accels, links=link_map) for n, d in nodes.items()}
     )
     return ProfileDB(
-        accelerators=MappingProxyType(accels), links=MappingProxyType(link_map), nodes=MappingProxyType(node_map)
+        accelerators=MappingProxyType(accels), links=MappingProxyType(link_map), nodes=MappingProxyType(node_map),
+        curves=MappingProxyType(curve_map),
     )
 
 
 @functools.lru_cache(maxsize=8)
 def load_profiles(directory: str | None = None) -> ProfileDB:
-    """Read ``accelerators.toml``, ``links.toml``, ``nodes.toml`` from ``directory`` (default: built-in)."""
+    """Read ``accelerators.toml``, ``links.toml``, ``nodes.toml`` and (if present) ``comm_curves.toml`` from
+    ``directory`` (default: built-in)."""
     root = Path(directory) if directory else PROFILES_DIR
     paths = tuple(root / f for f in ("accelerators.toml", "links.toml", "nodes.toml"))
     sections = [
         _section(_read_toml(p), key, file=p, required=True) for p, key in zip(paths, ("accelerators", "links", "nodes"))
     ]
+    curves_path = root / "comm_curves.toml"
+    curves = (_section(_read_toml(curves_path), "curves", file=curves_path, required=True)
+              if curves_path.exists() else {})
     return parse_profiles(
-        accelerators=sections[0], links=sections[1], nodes=sections[2], files=tuple(str(p) for p in paths)
+        accelerators=sections[0], links=sections[1], nodes=sections[2], curves=curves,
+        files=tuple(str(p) for p in (*paths, curves_path)),
     )
 
 
@@ -377,7 +462,7 @@ def load_cluster_file(path: str | Path, *, calibration: Calibration | None = Non
     ``[nodes.*]`` tables (same keys as the built-in files)."""
     path = Path(path)
     data = _read_toml(path)
-    allowed = ("name", "groups", "calibration", "accelerators", "links", "nodes")
+    allowed = ("name", "groups", "calibration", "accelerators", "links", "nodes", "curves")
     unknown = sorted(set(data) - set(allowed))
     if unknown:
         raise ProfileError(f"{path}: unknown top-level key {unknown[0]!r}; allowed: {', '.join(allowed)}")
@@ -385,7 +470,8 @@ def load_cluster_file(path: str | Path, *, calibration: Calibration | None = Non
         accelerators=_section(data, "accelerators", file=path, required=False),
         links=_section(data, "links", file=path, required=False),
         nodes=_section(data, "nodes", file=path, required=False),
-        files=(str(path),) * 3,
+        curves=_section(data, "curves", file=path, required=False),
+        files=(str(path),) * 4,
         base=load_profiles(),
     )
     groups_raw = data.get("groups")
@@ -463,12 +549,14 @@ def custom_cluster(*, gpu: str, nodes: int, gpus_per_node: int, intra: str, inte
     if not choices[intra]:
         raise ProfileError(f"{accel.name} has no {intra} fabric in profiles/accelerators.toml; use intra='pcie'")
     intra_link = get_link(choices[intra])
+    ndr = get_link("ib-ndr")
     nic = Link(
         name=f"nic-{inter_node_gbps:g}GBps",
         kind="infiniband",
         gbps_per_direction=float(inter_node_gbps),
-        latency_s=get_link("ib-ndr").latency_s,
-        source="what-if: custom_cluster(inter_node_gbps=...)",
+        latency_s=ndr.latency_s,
+        source="what-if: custom_cluster(inter_node_gbps=...); InfiniBand NDR's latency and nccl-tests curve",
+        curves=ndr.curves,
     )
     topology = "switch" if intra_link.kind in ("nvswitch",) else "full-mesh" if intra_link.kind == "xgmi" else (
         "pcie-tree" if intra_link.kind == "pcie" else "switch")  # fmt: skip

@@ -52,7 +52,7 @@ from costmodel.rank_groups import rank_clusters, slowest_device
 from costmodel import memory as mem
 from costmodel import pipeline as pl
 from costmodel.collectives import ring_terms
-from costmodel.comm import CommEfficiency, DEFAULT_EFFICIENCY, Group, collective_time_s
+from costmodel.comm import CommEfficiency, DEFAULT_EFFICIENCY, Collective, Group, collective_time_s, concurrent_times_s
 from costmodel.compute import op_time_s
 from costmodel.errors import ConfigError
 from costmodel.hardware import Cluster
@@ -62,8 +62,8 @@ from costmodel.step_config import (ParallelConfig, StepConstants, check_recomput
 from costmodel.targets import Target, load_target
 from costmodel.workload import Workload
 
-__all__ = ["ParallelConfig", "StepEstimate", "StepConstants", "Target", "estimate_step", "even_stage_layers",
-           "layer_contexts", "default_target"]
+__all__ = ["ParallelConfig", "StepEstimate", "StepConstants", "Target", "default_target", "estimate_step",
+           "even_stage_layers", "layer_contexts", "priced_collectives"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -344,21 +344,21 @@ def _dp_collective(op: str, nbytes: float, group: Group, cluster: Cluster, *, fl
     return cc.link_kind, cc.time_s
 
 
-@functools.lru_cache(maxsize=16384)
-def _dp_comm(wb: tuple[float, float], cluster: ByIdentity, dense: float, expert: float, m: int, k: StepConstants, *,
-             dp: int, cp: int, tp: int, ep: int, zero_stage: int, recompute: str, layers: int) -> tuple[str, float]:
-    """Seconds of data-parallel traffic per step for one pipeline rank, and its link kind (pure: memoized).
-    ``wb``: bytes per element of the gradient reduction and of the parameter all-gather (the target's, the
-    precision's quantized gather).
+def dp_collectives(*, params: float, expert_params: float, bytes_per_param: float, m: int, k: StepConstants,
+                   zero_stage: int, recompute: str, layers: int, gather_bytes_per_param: float | None = None
+                   ) -> tuple[tuple[str, str, float, int], ...]:
+    """The data-parallel collectives one pipeline rank issues per step: ``(group, op, bytes each, count)``
+    with ``group`` ``dense`` (over dp x cp) or ``expert`` (over dp / ep x cp). What ``_dp_comm`` times and
+    ``priced_collectives`` lists. ``bytes_per_param``: of the gradient reductions; ``gather_bytes_per_param``:
+    of the parameter all-gathers (None: the same; a quantized gather moves fewer, ``dp_bytes``).
 
     ZeRO-3 gathers and reduces parameters module by module: ``layers`` transformer layers on the rank times
     ``StepConstants.zero3_collectives_per_layer`` collectives per pass, plus one for the rank's other entries
-    (embedding, head), each paying the ring's latency steps on its share of the bytes."""
-    groups = ((dense, Group(size=dp * cp, stride=tp)),
-              (expert, Group(size=max(1, dp // ep) * cp, stride=tp * ep)))
-    total, kind, largest = 0.0, "", 0.0
-    reduce_b, gather_b = wb
-    for params, g in groups:
+    (embedding, head), each on its share of the bytes."""
+    out = []
+    for group, n in (("dense", params), ("expert", expert_params)):
+        if n <= 0:
+            continue
         if zero_stage == 0:
             parts = [("all_reduce", 1)]
         elif zero_stage in (1, 2):
@@ -367,13 +367,33 @@ def _dp_comm(wb: tuple[float, float], cluster: ByIdentity, dense: float, expert:
             gathers = 2 + (1 if recompute == "full" and k.zero3_passes_recompute else 0)
             parts = [("all_gather", gathers * m), ("reduce_scatter", m)]
         units = layers * k.zero3_collectives_per_layer + 1 if zero_stage == 3 else 1
-        for op, times in parts:
-            nbytes = params * (gather_b if op == "all_gather" else reduce_b)
-            lk, t = _dp_collective(op, nbytes / units, g, cluster.obj, flat=zero_stage == 3 and k.zero3_flat_nic)
-            t *= units
-            if t * times > largest:  # the link kind of the largest contribution names the traffic
-                kind, largest = lk, t * times
-            total += t * times
+        per = {"all_gather": bytes_per_param if gather_bytes_per_param is None else gather_bytes_per_param}
+        out += [(group, op, n * per.get(op, bytes_per_param) / units, units * times) for op, times in parts]
+    return tuple(out)
+
+
+def dp_bytes(workload: Workload, cfg: ParallelConfig, k: StepConstants) -> tuple[float, float]:
+    """Bytes per element of the data-parallel gradient reduction and of the parameter all-gather: the target's
+    (None there: the workload's own), the precision's quantized gather where it has one."""
+    own = float(workload.dtype_bytes)
+    gather = k.precision(cfg.precision).param_gather_bytes or k.param_gather_bytes
+    return k.grad_reduce_bytes or own, gather or own
+
+
+@functools.lru_cache(maxsize=16384)
+def _dp_comm(wb: tuple[float, float], cluster: ByIdentity, dense: float, expert: float, m: int, k: StepConstants, *,
+             dp: int, cp: int, tp: int, ep: int, zero_stage: int, recompute: str, layers: int) -> tuple[str, float]:
+    """Seconds of data-parallel traffic per step for one pipeline rank (``dp_collectives``), and its link kind
+    (pure: memoized)."""
+    groups = {"dense": Group(size=dp * cp, stride=tp), "expert": Group(size=max(1, dp // ep) * cp, stride=tp * ep)}
+    total, kind, largest = 0.0, "", 0.0
+    for group, op, nbytes, count in dp_collectives(params=dense, expert_params=expert, bytes_per_param=wb[0], m=m,
+                                                    k=k, zero_stage=zero_stage, recompute=recompute, layers=layers,
+                                                    gather_bytes_per_param=wb[1]):
+        lk, t = _dp_collective(op, nbytes, groups[group], cluster.obj, flat=zero_stage == 3 and k.zero3_flat_nic)
+        if t * count > largest:  # the link kind of the largest contribution names the traffic
+            kind, largest = lk, t * count
+        total += t * count
     return kind, total
 
 
@@ -452,6 +472,32 @@ def _pipeline(parts: tuple[_CtxKey, ...], classes: tuple[int, ...], cluster: ByI
             "chunks": ch}
 
 
+# --- concurrent traffic (costmodel.comm.concurrent_times_s): the overlapped gradient reduction shares links
+# with the pipeline sends of the same backward window.
+def _pipeline_traffic_slowdown(workload: Workload, cfg: ParallelConfig, parts: tuple[Cluster, ...], rank: int, *,
+                               dense: float) -> float:
+    """How much longer pipeline rank ``rank``'s data-parallel gradient reduction takes because the pipeline
+    sends of the backward it overlaps (one per chunk of the rank, to the next rank) run on the same links at
+    the same time: the reduction of the dense gradient priced alone and beside those sends. 1 without a
+    pipeline, on the last rank, or on clusters of several node groups."""
+    if cfg.pp == 1 or cfg.dp * cfg.cp == 1 or rank == cfg.pp - 1 or len(parts) != 1 or len(parts[0].groups) != 1:
+        return 1.0
+    cluster = parts[0]
+    stride = cfg.tp * cfg.cp * cfg.dp
+    first = rank * stride
+    send = cfg.microbatch * workload.seq / cfg.cp * workload.hidden * workload.dtype_bytes / cfg.tp
+    op = "all_reduce" if cfg.zero_stage == 0 else "reduce_scatter"
+    grads = Collective(op=op, nbytes=dense * workload.dtype_bytes, group=Group(size=cfg.dp * cfg.cp, stride=cfg.tp),
+                       first_rank=first)
+    sends = Collective(op="send_recv", nbytes=cfg.virtual_stages * send, group=Group(size=2, stride=stride),
+                       first_rank=first)
+    if grads.nbytes <= 0 or first + stride >= cluster.num_devices:
+        return 1.0
+    alone = collective_time_s(grads.op, grads.nbytes, grads.group, cluster, first_rank=first).time_s
+    shared = concurrent_times_s((grads, sends), cluster)[0].time_s
+    return shared / alone if alone > 0 else 1.0
+
+
 def _can_overlap(cluster: Cluster) -> bool:
     """False where a CPU calibration says the local ranks keep every core busy: nothing runs the collectives
     beside the compute, so overlapped gradient traffic is exposed whole."""
@@ -470,9 +516,7 @@ def _data_parallel(workload: Workload, cfg: ParallelConfig, parts: tuple[Cluster
     per_rank = [0.0] * cfg.pp
     dense_l, expert_l, bwd_l = dense.tolist(), expert.tolist(), pipe["bwd_rank_s"].tolist()
     rank_l = pipe["per_rank_s"].tolist()
-    own = float(workload.dtype_bytes)
-    gather = k.precision(cfg.precision).param_gather_bytes or k.param_gather_bytes
-    wb = (k.grad_reduce_bytes or own, gather or own)
+    wb = dp_bytes(workload, cfg, k)
     layers_l = [int(x) for x in layers.tolist()]
     for r in range(cfg.pp):
         key = (dense_l[r], expert_l[r], layers_l[r], _class_of(classes, r))
@@ -489,6 +533,8 @@ def _data_parallel(workload: Workload, cfg: ParallelConfig, parts: tuple[Cluster
             window = rank_l[r]
         else:
             window = bwd_l[r]
+        if window > 0 and cfg.zero_stage < 3:
+            t *= _pipeline_traffic_slowdown(workload, cfg, parts, r, dense=key[0])
         e = _exposed(t, window, k)
         if window > 0 and cfg.zero_stage < 3:  # the last bucket starts when the backward ends
             grad_bytes = (key[0] + key[1]) * wb[0]
@@ -610,6 +656,45 @@ def layer_contexts(workload: Workload, config: ParallelConfig, cluster: Cluster,
     return tuple(out)
 
 
+def priced_collectives(workload: Workload, config: ParallelConfig, cluster: Cluster, *,
+                       stage_layers: tuple[int, ...] | None = None,
+                       target: Target | None = None) -> tuple[dict[tuple[str, str], list], ...]:
+    """Per pipeline rank, the collectives one step issues as the step model prices them:
+    ``{(axis, op): [count, total bytes]}`` with axis ``tp`` / ``cp`` / ``ep`` (the blocks' own, per micro-batch,
+    from their costers) or ``dp`` (gradient and parameter traffic, ``dp_collectives``). For checking against
+    what the runtime issues (``tests/test_priced_collectives.py``, CommDebugMode on the fake process group)."""
+    chunks = config.pp * config.virtual_stages
+    stage_layers = even_stage_layers(workload, chunks) if stage_layers is None else tuple(stage_layers)
+    target = target or default_target()
+    contexts = layer_contexts(workload, config, cluster, stage_layers=stage_layers, target=target)
+    wb = dp_bytes(workload, config, target.constants)
+    owner = np.repeat(np.arange(len(stage_layers)), stage_layers) % config.pp
+    m = config.num_microbatches
+    out: list[dict[tuple[str, str], list]] = [{} for _ in range(config.pp)]
+    dense, expert, blocks = [0.0] * config.pp, [0.0] * config.pp, [0] * config.pp
+
+    def add(r: int, axis: str, op: str, count: float, nbytes: float) -> None:
+        row = out[r].setdefault((axis, op), [0, 0.0])
+        row[0] += count
+        row[1] += count * nbytes
+
+    for layer, ctx, r in zip(workload.layers, contexts, owner.tolist()):
+        cost = workload.coster(layer, ctx)
+        for c in cost.collectives:
+            add(r, c.axis, c.op, c.count * m, c.nbytes)
+        dense[r] += cost.params
+        expert[r] += cost.expert_params
+        blocks[r] += 1 if layer.recomputable else 0
+    for r in range(config.pp):
+        for group, op, nbytes, count in dp_collectives(
+                params=dense[r], expert_params=expert[r], bytes_per_param=wb[0], m=m, k=target.constants,
+                zero_stage=config.zero_stage, recompute=config.recompute, layers=blocks[r],
+                gather_bytes_per_param=wb[1]):
+            if (config.dp * config.cp if group == "dense" else max(1, config.dp // config.ep) * config.cp) > 1:
+                add(r, "dp", op, count, nbytes)
+    return tuple(out)
+
+
 def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_layers: tuple[int, ...] | None,
               target: Target, mc: mem.MemoryConstants) -> StepEstimate:
     k = target.constants
@@ -721,7 +806,6 @@ def estimate_step(
     """Step time, FLOP rates, memory and breakdown of ``config`` (see the module docstring).
 
     ``stage_layers``: workload entries per pipeline chunk (``pp * virtual_stages`` counts); None: even.
-    ``target``: the execution target whose constants price the step (``costmodel.targets``; None: autopar).
     Raises ConfigError for invalid configurations, with the numbers and the nearest valid values.
     """
     validate_config(config, workload, cluster.num_devices)

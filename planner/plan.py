@@ -113,8 +113,10 @@ class StagePlan:
     """Global ranks holding this chunk."""
     recompute: Recompute = "none"
     recompute_layers: int = -1
-    """How many of the chunk's recomputable layers (all but the embedding and the head), from its first, run
-    with ``recompute``; -1: all of them. The search writes the count it priced (the fewest that fit)."""
+    """How many of the chunk's transformer layers (its recomputable layers: all but the embedding and the head),
+    counted from its first, run with ``recompute``; the rest keep their activations. -1 (and a plan file without
+    the field): all of them; a count above the chunk's layers means all of them too. With ``recompute="none"`` no
+    layer is recomputed. The search writes the count it priced (the fewest that fit)."""
     gpu: str = ""
     """Accelerator of the node group the chunk is placed on: the one its time was predicted on (on a
     heterogeneous cluster each pipeline rank's ranks lie in one node group, and the cuts balance the groups)."""
@@ -122,6 +124,14 @@ class StagePlan:
     """Forward + backward time of one micro-batch through this chunk, on ``gpu``."""
     predicted_memory_gb: float = 0.0
     """Memory of each device of the chunk's pipeline rank (all its chunks together: the same on each of them)."""
+
+    @classmethod
+    def placed(cls, index: int, *, pp: int, world_size: int, modules: tuple[str, ...], **fields: Any) -> "StagePlan":
+        """Chunk ``index`` where the mesh puts it: on pipeline rank ``index % pp`` (loop placement), whose ranks are
+        the contiguous block ``[r * N / pp, (r + 1) * N / pp)`` of the row-major (pp, dp, ep, cp, tp) mesh."""
+        r, per_rank = index % pp, world_size // pp
+        return cls(index=index, pp_rank=r, modules=tuple(modules), ranks=tuple(range(r * per_rank, (r + 1) * per_rank)),
+                   **fields)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -212,6 +222,33 @@ class Plan:
     solver: SolverStats = field(default_factory=SolverStats)
     alternatives: tuple[Alternative, ...] = ()
 
+    @classmethod
+    def build(
+        cls,
+        *,
+        model: ModelInfo,
+        cluster: ClusterInfo,
+        degrees: ParallelDegrees,
+        stages: Iterable[StagePlan],
+        schedule: ScheduleSpec,
+        prediction: Prediction,
+        shardings: Iterable[ModuleSharding] = (),
+        zero_stage: int = 0,
+        sequence_parallel: bool = False,
+        solver: SolverStats | None = None,
+        alternatives: Iterable[Alternative] = (),
+    ) -> "Plan":
+        """A plan from its parts (stages from ``StagePlan.placed``): the mesh follows the degrees, the global batch
+        is microbatch_size x num_microbatches x dp; checked as a loaded plan is (``PlanMismatchError``)."""
+        plan = cls(
+            model=model, cluster=cluster, degrees=degrees, mesh=MeshSpec.from_degrees(degrees), stages=tuple(stages),
+            shardings=tuple(shardings), zero_stage=zero_stage, sequence_parallel=sequence_parallel, schedule=schedule,
+            global_batch=schedule.microbatch_size * schedule.num_microbatches * degrees.dp, prediction=prediction,
+            solver=solver if solver is not None else SolverStats(), alternatives=tuple(alternatives),
+        )
+        _check_consistency(plan)
+        return plan
+
     def to_dict(self) -> dict[str, Any]:
         return _to_jsonable(self)
 
@@ -277,6 +314,11 @@ def model_fingerprint(params: Iterable[tuple[str, tuple[int, ...], str]]) -> str
     return "sha256:" + h.hexdigest()[:32]
 
 
+def module_fingerprint(module: Any) -> str:
+    """``model_fingerprint`` of a torch module (anything with ``named_parameters()``; no torch import here)."""
+    return model_fingerprint((n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters())
+
+
 def check_plan_matches(plan: Plan, *, fingerprint: str, world_size: int) -> None:
     """Refuse a plan made for another model or another world size, with the numbers."""
     if plan.model.fingerprint != fingerprint:
@@ -327,6 +369,8 @@ def _check_consistency(plan: Plan) -> None:
     for st in plan.stages:
         if st.recompute not in RECOMPUTE:
             errors.append(f"stage {st.index}: recompute={st.recompute!r}; allowed {RECOMPUTE}")
+        if st.recompute_layers < -1:
+            errors.append(f"stage {st.index}: recompute_layers={st.recompute_layers} must be >= 0 (or -1: all)")
         if st.gpu and gpus and st.gpu not in gpus:
             errors.append(f"stage {st.index}: gpu={st.gpu!r} is not in the cluster's accelerators {gpus}")
         if st.gpu and rank_gpu.setdefault(st.pp_rank, st.gpu) != st.gpu:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from costmodel.errors import ConfigError
 from costmodel.workload import LayerWork, Workload
@@ -123,6 +124,44 @@ def trace_spec(spec: str, *, batch: int = 1, seq: int | None = None) -> TracedSp
         log.warning("%s: traced ops use %d parameters of %d (the rest is unused in forward)",
                     spec, graph.params, params)
     return TracedSpec(dims=dims, graph=graph, fingerprint=model_fingerprint(named), params=params)
+
+
+def workload_from_module(model: Any, example_inputs: Any, *, name: str) -> tuple[Workload, ModelInfoBits]:
+    """Trace an ``nn.Module`` the caller holds (on meta, or with real weights: torch.export only fakes them)
+    with one sample of ``example_inputs`` (a batch, batch first: the first row of each tensor), in the dtype it
+    has: the module is not changed. Not memoized (modules are not hashable by content)."""
+    import torch
+
+    from planner.trace import trace
+
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"model must be an nn.Module, got {type(model).__name__}")
+    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    if not inputs or not all(isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] >= 1 for t in inputs):
+        raise ConfigError(f"example_inputs for {name}: give the model's positional inputs as tensors with the batch "
+                          "first (one batch, e.g. (input_ids,)); got "
+                          f"{[type(t).__name__ + str(tuple(getattr(t, 'shape', ()))) for t in inputs]}")
+    sample = tuple(t[:1] for t in inputs)
+    named = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
+    config = getattr(model, "config", None)
+    cached = getattr(config, "use_cache", None)
+    if cached:  # a Hugging Face model traced for training: no KV cache in its outputs
+        config.use_cache = False
+    try:
+        graph = trace(model, sample)
+    finally:
+        if cached:
+            config.use_cache = cached
+    dims = complete_dims(ModelDims(arch="custom", layers=len(graph.layer_fqns), hidden=0, heads=0, kv_heads=0,
+                                   ffn_hidden=0, vocab=0, seq=0), graph)
+    blocks = find_blocks(graph)
+    workload = workload_from_graph(graph, dims, name=name, blocks=blocks)
+    bits = ModelInfoBits(
+        name=name, fingerprint=model_fingerprint(named), params=sum(_numel(s) for _, s, _ in named),
+        num_layers=workload.num_layers, seq_len=dims.seq, dims=dims, graph=graph, blocks=tuple(blocks),
+        groups=tuple(find_block_groups(blocks)), trace_time_s=graph.trace_time_s,
+    )
+    return workload, bits
 
 
 @functools.lru_cache(maxsize=16)

@@ -10,6 +10,10 @@ Modes (``planner.plan.RECOMPUTE``):
   in backward (Korthikanti et al. 2022, "selective activation recomputation": the ``5as/h`` term of the
   activation memory goes away, the linear layers are not recomputed).
 
+Per pipeline chunk (or the whole model at pp = 1) the plan's ``StagePlan`` says the mode and how many of the
+chunk's transformer layers, from its first, run with it (``recompute_layers``; Megatron-LM's
+``--recompute-num-layers``): ``apply_stage_recompute``.
+
 The layer's ``forward`` is replaced on the instance (not wrapped in another module), so ``named_parameters``,
 ``state_dict`` keys, TP / FSDP plans keyed by FQN and the pipeline cut all see the same names as before.
 """
@@ -18,17 +22,17 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from costmodel.errors import ConfigError
+from costmodel.errors import ConfigError, PlanMismatchError
+from planner.plan import RECOMPUTE, StagePlan
 
 logger = logging.getLogger(__name__)
 
-MODES = ("none", "selective", "full")
 _ORIG_FORWARD = "_autopar_orig_forward"
 _MODE_ATTR = "_autopar_recompute"
 
@@ -69,8 +73,8 @@ def _checkpointed(forward: Callable[..., Any], mode: str) -> Callable[..., Any]:
 
 def set_recompute(module: nn.Module, mode: str) -> nn.Module:
     """Make ``module`` (one transformer layer) recompute per ``mode``; idempotent, ``none`` undoes it."""
-    if mode not in MODES:
-        raise ConfigError(f"recompute={mode!r} is unknown; choose one of {MODES}")
+    if mode not in RECOMPUTE:
+        raise ConfigError(f"recompute={mode!r} is unknown; choose one of {RECOMPUTE}")
     if mode == "selective" and any(isinstance(getattr(m, "experts", None), nn.Module) for m in module.modules()):
         raise ConfigError(
             f"recompute='selective' cannot run on the MoE layer {type(module).__name__}: its router changes a "
@@ -110,19 +114,30 @@ def apply_activation_checkpointing(model: nn.Module, *, layer_fqns: Iterable[str
     return model
 
 
-def apply_plan_recompute(model: nn.Module, *, plan: Any) -> nn.Module:
-    """Without a pipeline (pp = 1) the plan's single stage names the recomputation of every transformer layer:
-    set it on the model's layers (the pipelined path sets it per chunk in ``runtime.pipeline.cut_model``)."""
-    stages = sorted(plan.stages, key=lambda s: s.index)
-    mode = stages[0].recompute if stages else "none"
-    if mode == "none":
-        return model
-    # the repeated layers: every child of a ModuleList (what the planner groups as blocks)
-    layers = [f"{name}.{child}" for name, m in model.named_modules() if isinstance(m, nn.ModuleList)
-              for child, _ in m.named_children()]
-    if not layers:
+def transformer_layers(model: nn.Module) -> list[str]:
+    """FQNs of the repeated layers, in order: the children of every outermost ``nn.ModuleList`` (what the planner
+    groups as blocks; a ModuleList inside a layer is part of that layer)."""
+    fqns: list[str] = []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.ModuleList) and not any(name.startswith(f + ".") for f in fqns):
+            fqns += [f"{name}.{child}" if name else child for child, _ in m.named_children()]
+    return fqns
+
+
+def apply_stage_recompute(model: nn.Module, *, layer_fqns: Sequence[str], stage: StagePlan) -> list[str]:
+    """Recompute the first ``stage.recompute_layers`` (-1, or more than there are: all) of the stage's transformer
+    layers ``layer_fqns`` (in execution order) with ``stage.recompute``; the others keep their activations. The
+    FQNs recomputed."""
+    mode, count = stage.recompute, stage.recompute_layers
+    if count < -1:
+        raise PlanMismatchError(f"stage {stage.index}: recompute_layers={count} must be >= 0 (or -1: all)")
+    if mode == "none" or count == 0:
+        return []
+    if not layer_fqns:
         raise ConfigError(
-            f"recompute={mode}: {type(model).__name__} has no nn.ModuleList of layers to recompute; "
-            "re-plan with --fix recompute=none"
+            f"recompute={mode} (stage {stage.index}): {type(model).__name__} has no nn.ModuleList of layers to "
+            "recompute; re-plan with --fix recompute=none"
         )
-    return apply_activation_checkpointing(model, layer_fqns=layers, mode=mode)
+    chosen = list(layer_fqns if count == -1 else layer_fqns[:count])
+    apply_activation_checkpointing(model, layer_fqns=chosen, mode=mode)
+    return chosen

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 from torch.distributed.device_mesh import DeviceMesh
 
 from costmodel.errors import ConfigError
@@ -192,8 +193,6 @@ def attend_gathered(
 ) -> torch.Tensor:
     """Causal attention of this rank's queries (B, H, T / cp, D) to the gathered ``kv`` (2, B, Hkv, T, D) in rank
     order (what the all-gather returns); (B, H, T / cp, D). Pure: no communication."""
-    from torch.nn.attention.bias import causal_lower_right
-
     seq_len = query.shape[2] * layout.cp
     if sliding_window is not None:  # explicit mask over all T keys
         key, value = _repeat_kv(kv[0], kv[1], heads=query.shape[1])

@@ -5,7 +5,7 @@ styles the planner's intra-op search would pick for the Megatron layout: q/k/v, 
 out/o projections, fc2, down -> rowwise; token embedding -> vocab_embedding; LM head -> vocab_head; every norm ->
 sequence_parallel. ``manual_plan(model, ...)`` wraps them with degrees, one pipeline stage per pp rank (layers
 split evenly, embedding first, norm and head last) and the schedule into a ``planner.plan.Plan`` whose
-fingerprint is the model's.
+fingerprint is the model's (``Plan.build`` / ``StagePlan.placed``: the plan builder the planner uses too).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import torch.nn as nn
 from costmodel.errors import ConfigError
 from planner.plan import (
     ClusterInfo,
-    MeshSpec,
     ModelInfo,
     ModuleSharding,
     ParallelDegrees,
@@ -24,8 +23,9 @@ from planner.plan import (
     ScheduleSpec,
     SolverStats,
     StagePlan,
-    model_fingerprint,
+    module_fingerprint,
 )
+from runtime.checkpointing import transformer_layers
 
 _COLWISE = ("q_proj", "k_proj", "v_proj", "fc1", "gate_proj", "up_proj")
 _ROWWISE = ("out_proj", "o_proj", "fc2", "down_proj")
@@ -50,25 +50,22 @@ def megatron_shardings(model: nn.Module, *, sequence_parallel: bool = False) -> 
     return tuple(out)
 
 
-def _layer_list(model: nn.Module) -> tuple[str, list[str]]:
-    for fqn, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) > 0:
-            return fqn, [f"{fqn}.{i}" for i in range(len(mod))]
-    raise ConfigError(f"{type(model).__name__} has no ModuleList of layers to cut into pipeline stages")
-
-
-def _stages(model: nn.Module, *, pp: int, ranks_of: list[tuple[int, ...]], recompute: str) -> tuple[StagePlan, ...]:
-    owner, layers = _layer_list(model)
-    if len(layers) < pp:
+def _stages(model: nn.Module, *, pp: int, world_size: int, recompute: str,
+            recompute_layers: int) -> list[StagePlan]:
+    """One stage per pipeline rank: the transformer layers split evenly (the first stages take one more)."""
+    layers = transformer_layers(model)
+    if pp > 1 and not layers:
+        raise ConfigError(f"{type(model).__name__} has no ModuleList of layers to cut into pipeline stages")
+    if pp > 1 and len(layers) < pp:
         raise ConfigError(f"{len(layers)} layers cannot fill pp={pp} stages; choose pp <= {len(layers)}")
     per, extra = divmod(len(layers), pp)
     stages, lo = [], 0
     for i in range(pp):
         hi = lo + per + (1 if i < extra else 0)
-        stages.append(StagePlan(index=i, pp_rank=i, modules=tuple(layers[lo:hi]), ranks=ranks_of[i],
-                                recompute=recompute))
+        stages.append(StagePlan.placed(i, pp=pp, world_size=world_size, modules=tuple(layers[lo:hi]),
+                                       recompute=recompute, recompute_layers=recompute_layers))
         lo = hi
-    return tuple(stages)
+    return stages
 
 
 def manual_plan(
@@ -81,6 +78,7 @@ def manual_plan(
     zero_stage: int = 0,
     sequence_parallel: bool = False,
     recompute: str = "none",
+    recompute_layers: int = -1,
     microbatch_size: int = 1,
     num_microbatches: int = 1,
     schedule: str = "1f1b",
@@ -91,31 +89,28 @@ def manual_plan(
     """A Plan with the given degrees for ``model`` (module names from ``megatron_shardings`` when tp > 1).
 
     ``cp`` > 1: context parallel (``runtime.context_parallel``); ``seq_len`` (if given) must be divisible by 2 cp.
-    ``recompute``: every stage's activation recomputation (none / selective / full)."""
+    ``recompute``: every stage's activation recomputation (none / selective / full), on the first
+    ``recompute_layers`` layers of each stage (-1: all)."""
     degrees = ParallelDegrees(tp=tp, cp=cp, dp=dp, pp=pp)
     world = degrees.world_size
     if shardings is None:
         shardings = megatron_shardings(model, sequence_parallel=sequence_parallel) if tp > 1 else ()
-    params = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
-    ranks_of = [tuple(r for r in range(world) if r // (world // pp) == i) for i in range(pp)]
-    return Plan(
+    return Plan.build(
         model=ModelInfo(
             name=name,
-            fingerprint=model_fingerprint(params),
+            fingerprint=module_fingerprint(model),
             params=sum(p.numel() for p in model.parameters()),
             flops_per_step=0.0,
-            num_layers=len(_layer_list(model)[1]),
+            num_layers=len(transformer_layers(model)),
             seq_len=seq_len,
         ),
         cluster=ClusterInfo(name="local", num_devices=world, nodes=1, gpus_per_node=world, gpu="cpu"),
         degrees=degrees,
-        mesh=MeshSpec.from_degrees(degrees),
-        stages=_stages(model, pp=pp, ranks_of=ranks_of, recompute=recompute),
+        stages=_stages(model, pp=pp, world_size=world, recompute=recompute, recompute_layers=recompute_layers),
         shardings=shardings,
         zero_stage=zero_stage,
         sequence_parallel=sequence_parallel,
         schedule=ScheduleSpec(name=schedule, microbatch_size=microbatch_size, num_microbatches=num_microbatches),
-        global_batch=microbatch_size * num_microbatches * dp,
         prediction=Prediction(
             step_time_s=0.0, tokens_per_s=0.0, model_tflops_per_gpu=0.0, hw_tflops_per_gpu=0.0, mfu=0.0,
             memory_gb_per_device=0.0, fits=True,

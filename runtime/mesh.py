@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from costmodel.errors import ConfigError, PlanMismatchError
 from planner.plan import Plan
+from runtime.measure.spawn import free_port
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ def init_distributed(*, backend: str | None = None) -> DistInfo:
         if world_size > 1:
             raise ConfigError(f"WORLD_SIZE={world_size} but MASTER_ADDR is not set: launch with torchrun")
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     if use_cuda:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
@@ -75,14 +76,6 @@ def init_distributed(*, backend: str | None = None) -> DistInfo:
     return DistInfo(
         rank=rank, world_size=world_size, local_rank=local_rank, backend=backend, device_type=device_type
     )
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build_mesh(plan: Plan, *, device_type: str) -> DeviceMesh:

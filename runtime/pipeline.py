@@ -40,10 +40,15 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import pipelining as pl
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from costmodel.errors import ConfigError, PlanMismatchError
 from planner.plan import Plan, StagePlan
-from runtime.checkpointing import set_recompute
+from runtime.mesh import batch_mesh
 from runtime.model_adapters import Layout, ModelAdapter, adapter_for
 
 logger = logging.getLogger(__name__)
@@ -103,9 +108,11 @@ def cut_units(layout: Layout, stages: tuple[StagePlan, ...]) -> list[tuple[int, 
 class PipelineChunk(nn.Module):
     """Units ``[lo, hi)`` of a model; its submodules are the model's own, at their original FQNs."""
 
-    def __init__(self, model: nn.Module, *, adapter: ModelAdapter, lo: int, hi: int) -> None:
+    def __init__(self, model: nn.Module, *, adapter: ModelAdapter, lo: int, hi: int, stage: StagePlan) -> None:
         super().__init__()
         layout = adapter.layout
+        self.stage = stage
+        """The plan's entry for this chunk (its recomputation is applied by ``runtime.parallelize``)."""
         units = layout.units[lo:hi]
         self._adapter = adapter
         self.has_embedding = lo == 0
@@ -145,8 +152,6 @@ class PipelineChunk(nn.Module):
 
 
 def _to_sequence_shard(x: torch.Tensor, tp_mesh: Any) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
     if x.shape[1] % tp_mesh.size():
         raise ConfigError(
             f"sequence parallel: sequence length {x.shape[1]} is not divisible by tp={tp_mesh.size()}; "
@@ -157,8 +162,6 @@ def _to_sequence_shard(x: torch.Tensor, tp_mesh: Any) -> torch.Tensor:
 
 
 def _from_sequence_shard(x: torch.Tensor, tp_mesh: Any) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
     # backward: the (replicated) gradient of the whole sequence is sliced back to this rank's part
     return DTensor.from_local(x, tp_mesh, [Shard(1)], run_check=False).redistribute(tp_mesh, [Replicate()]).to_local()
 
@@ -176,16 +179,11 @@ def _graft(root: nn.Module, fqn: str, module: nn.Module) -> None:
 
 
 def cut_model(model: nn.Module, *, plan: Plan) -> list[PipelineChunk]:
-    """All chunks of the plan, in stage-index order, with the plan's recomputation set on their layers."""
+    """All chunks of the plan, in stage-index order."""
     adapter = adapter_for(model)
     ranges = cut_units(adapter.layout, plan.stages)
-    chunks = []
-    for st, (lo, hi) in zip(sorted(plan.stages, key=lambda s: s.index), ranges):
-        chunk = PipelineChunk(model, adapter=adapter, lo=lo, hi=hi)
-        for fqn in chunk.layer_fqns:
-            set_recompute(chunk.get_submodule(fqn), st.recompute)
-        chunks.append(chunk)
-    return chunks
+    stages = sorted(plan.stages, key=lambda s: s.index)
+    return [PipelineChunk(model, adapter=adapter, lo=lo, hi=hi, stage=st) for st, (lo, hi) in zip(stages, ranges)]
 
 
 # --- schedules --------------------------------------------------------------------------------------------
@@ -193,8 +191,6 @@ def cut_model(model: nn.Module, *, plan: Plan) -> list[PipelineChunk]:
 
 def make_schedule(stages: list[Any], *, name: str, num_microbatches: int, loss_fn: Callable[..., Any]) -> Any:
     """The torch schedule object for the plan's schedule name (see the module docstring)."""
-    from torch.distributed import pipelining as pl
-
     multi = {"interleaved-1f1b": pl.ScheduleInterleaved1F1B, "zero-bubble": pl.ScheduleInterleavedZeroBubble}
     single = {"gpipe": pl.ScheduleGPipe, "1f1b": pl.Schedule1F1B}
     try:
@@ -227,24 +223,15 @@ def _groups(mesh: Any, plan: Plan) -> _Groups:
     pp_size = mesh.size(names.index("pp"))
     if pp_size != plan.degrees.pp:
         raise PlanMismatchError(f"mesh pp axis has {pp_size} ranks but the plan has pp={plan.degrees.pp}")
-    dp_size = mesh.size(names.index("dp")) if "dp" in names else 1
-    dp_group = mesh.get_group("dp") if dp_size > 1 else None
-    if "ep" in names and mesh.size(names.index("ep")) > 1:
-        # Expert parallel: the batch is split over dp x ep (ep is a sub-axis of the batch ranks), so the loss is
-        # averaged over that group. The ep all-to-all runs among the ranks of one pipeline stage (same pp
-        # index), which run the same schedule, micro-batch for micro-batch. Gradients: the caller's
-        # (runtime.expert_parallel: expert gradients are reduced over dp only), hence sync_dp_grads=False.
-        from runtime.mesh import batch_mesh
-
-        batch = batch_mesh(mesh)
-        dp_size, dp_group = batch.size(), batch.get_group()
-    return _Groups(pp=mesh.get_group("pp"), pp_rank=mesh.get_local_rank("pp"), dp=dp_group, dp_size=dp_size)
+    # the loss is averaged over the batch ranks (dp, times ep: with experts the ep all-to-all runs among the ranks
+    # of one pipeline stage, which run the same schedule, micro-batch for micro-batch)
+    batch = batch_mesh(mesh)
+    dp_group = batch.get_group() if batch.size() > 1 else None
+    return _Groups(pp=mesh.get_group("pp"), pp_rank=mesh.get_local_rank("pp"), dp=dp_group, dp_size=batch.size())
 
 
 def default_mesh(plan: Plan, *, device_type: str = "cpu") -> Any:
     """A DeviceMesh laid out as the plan says (all five axes, size-1 ones included)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     return init_device_mesh(device_type, tuple(plan.mesh.axis_sizes), mesh_dim_names=tuple(plan.mesh.axis_names))
 
 
@@ -324,7 +311,6 @@ class PipelineRunner:
         tied: list[TiedParam],
         tied_group: Any | None,
         device: torch.device,
-        sync_dp_grads: bool,
     ) -> None:
         self.plan = plan
         self.chunks = chunks
@@ -337,7 +323,6 @@ class PipelineRunner:
         self._tied_group = tied_group
         self._tied_synced = False
         self._device = device
-        self._sync_dp_grads = sync_dp_grads
         n_stages = len(plan.stages)
         self.has_first = 0 in chunks
         self.has_last = n_stages - 1 in chunks
@@ -385,8 +370,6 @@ class PipelineRunner:
         if self._groups.dp is not None:
             dist.all_reduce(loss, group=self._groups.dp)
             loss /= self._groups.dp_size
-            if self._sync_dp_grads:
-                self._reduce_dp_grads()
         return loss
 
     def _local(self, t: torch.Tensor) -> torch.Tensor:
@@ -412,17 +395,8 @@ class PipelineRunner:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(self._local(p.grad), group=self._tied_group)
 
-    def _reduce_dp_grads(self) -> None:
-        for p in self.parameters():
-            if p.grad is not None:
-                g = self._local(p.grad)
-                dist.all_reduce(g, group=self._groups.dp)
-                g /= self._groups.dp_size
-
 
 def _check_fsdp_schedule(local: dict[int, nn.Module], plan: Plan) -> None:
-    from torch.distributed.fsdp import FSDPModule
-
     fsdp = any(isinstance(m, FSDPModule) for c in local.values() for m in c.modules())
     if fsdp and plan.schedule.name == "zero-bubble":
         # Measured (torch 2.13, gloo, pp2 x dp2 ZeRO-3, tiny Llama): the first step's loss matches the
@@ -446,23 +420,18 @@ def build_pipeline(
     plan: Plan,
     mesh: Any,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    sync_dp_grads: bool = True,
-    wrap_chunk: Callable[[nn.Module], nn.Module] | None = None,
+    parallelize_chunk: Callable[[PipelineChunk], nn.Module] | None = None,
 ) -> PipelineRunner:
     """Cut ``model`` per ``plan.stages`` and build this rank's stages and the plan's schedule.
 
     ``mesh``: the DeviceMesh with a ``pp`` axis (and ``dp``), as ``default_mesh(plan)`` builds; None builds that.
     ``loss_fn(logits (B, T, V), targets (B, T)) -> mean loss`` of one micro-batch.
-    ``sync_dp_grads``: average gradients over the ``dp`` axis after each step (set False when the chunks are
-    wrapped by FSDP / DDP that does it). ``wrap_chunk``: applied to each local chunk before its stage is built
-    (TP / FSDP / materialisation by the caller); it must return a module with the same forward.
+    ``parallelize_chunk``: applied to each local chunk before its stage is built (``runtime.parallelize``:
+    recomputation, TP, experts, FSDP, materialisation); it must return a module with the same forward.
+    Gradients are left as each chunk's backward (and its FSDP wrapper, if any) leaves them: under ZeRO 0 over
+    several batch ranks the caller averages them (``runtime.data_parallel.average_gradients``).
     """
     _check_stage_ranks(plan)
-    if plan.degrees.ep > 1 and sync_dp_grads:
-        raise ConfigError(
-            f"pipeline with ep={plan.degrees.ep}: expert gradients are reduced over dp only, which "
-            "sync_dp_grads does not know; apply the plan with runtime.expert_parallel.apply_expert_plan"
-        )
     if mesh is None:
         mesh = default_mesh(plan, device_type="cuda" if dist.get_backend() == "nccl" else "cpu")
     groups = _groups(mesh, plan)
@@ -475,11 +444,9 @@ def build_pipeline(
     if plan.sequence_parallel and plan.degrees.tp > 1:
         for chunk in local.values():
             chunk.sp_mesh = mesh["tp"]
-    if wrap_chunk is not None:
-        local = {i: wrap_chunk(c) for i, c in local.items()}
+    if parallelize_chunk is not None:
+        local = {i: parallelize_chunk(c) for i, c in local.items()}
     _check_fsdp_schedule(local, plan)
-    from torch.distributed.pipelining import PipelineStage
-
     stages = [
         PipelineStage(local[i], stage_index=i, num_stages=len(all_chunks), device=device, group=groups.pp)
         for i in sorted(local)
@@ -498,5 +465,5 @@ def build_pipeline(
     )
     return PipelineRunner(
         plan=plan, chunks=local, stages=stages, schedule=schedule, groups=groups, tied=tied, tied_group=tied_group,
-        device=device, sync_dp_grads=sync_dp_grads,
+        device=device,
     )

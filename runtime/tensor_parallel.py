@@ -16,7 +16,9 @@ Style -> what is applied on the plan's "tp" mesh axis (Megatron-LM, Shoeybi et a
 - ``sequence_parallel``: ``SequenceParallel(sequence_dim=-2)`` on norms: parameters Replicate DTensors, activations
   sharded over the sequence; only meaningful with ``plan.sequence_parallel`` (otherwise treated as replicate).
 - ``replicate``: nothing.
-- ``expert``: not handled here (expert parallel is a separate transform); refused with ConfigError.
+- ``expert``: skipped here (``runtime.expert_parallel`` shards the experts over ep). Under sequence parallel the
+  MoE block holding them (the expert module's parent: router and experts, replicated over tp) runs on the whole
+  sequence: a pre-hook gathers it, a hook hands each tp rank its part back.
 
 Two things parallelize_module does not do and transformer code needs:
 - attention modules that reshape with an explicit head count (OPT: ``view(bsz, -1, self.num_heads, head_dim)``)
@@ -50,7 +52,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from costmodel.errors import ConfigError, PlanMismatchError
-from planner.plan import Plan
+from planner.plan import ModuleSharding, Plan
 from runtime.materialize import retie, tied_parameters
 
 log = logging.getLogger(__name__)
@@ -66,7 +68,7 @@ def apply_tensor_parallel(
     strict: bool = True,
     loss_parallel_ok: bool | None = None,
 ) -> nn.Module:
-    """Shard ``model`` in place over ``mesh["tp"]`` per ``plan.shardings``; returns the model.
+    """Shard ``model`` in place over ``mesh["tp"]`` per ``plan.shardings``; returns the model (unchanged at tp=1).
 
     ``strict=False`` skips plan entries whose module is not in ``model`` (a pipeline stage holds a subset).
     ``loss_parallel_ok=None`` probes the backend; True / False forces the loss-parallel / gathered-logits path.
@@ -75,17 +77,36 @@ def apply_tensor_parallel(
     tp = plan.degrees.tp
     if tp == 1:
         return model
-    tp_mesh = mesh["tp"]
-    styles = _styles_present(model, plan, strict=strict)
-    sp = plan.sequence_parallel
+    if mesh["tp"].size() != tp:
+        raise PlanMismatchError(f"mesh tp axis has {mesh['tp'].size()} ranks but the plan has tp={tp}: build the "
+                                "mesh from the plan (runtime.build_mesh)")
+    return shard_modules(model, shardings=plan.shardings, tp_mesh=mesh["tp"], sequence_parallel=plan.sequence_parallel,
+                         strict=strict, loss_parallel_ok=loss_parallel_ok)
+
+
+def shard_modules(
+    model: nn.Module,
+    *,
+    shardings: tuple[ModuleSharding, ...],
+    tp_mesh: DeviceMesh,
+    sequence_parallel: bool = False,
+    strict: bool = True,
+    loss_parallel_ok: bool | None = None,
+) -> nn.Module:
+    """What ``apply_tensor_parallel`` does, on a 1-D ``tp_mesh`` of any size (1 included: the calibration times
+    DTensor's dispatch on one rank this way)."""
+    tp = tp_mesh.size()
+    styles = _styles_present(model, shardings, strict=strict)
+    sp = sequence_parallel
     if "vocab_head" in styles.values() and loss_parallel_ok is None:
         loss_parallel_ok = loss_parallel_works(tp_mesh)
         if not loss_parallel_ok:
             log.warning("loss-parallel cross-entropy failed on backend of mesh %s: gathering logits", tp_mesh)
     modules = dict(model.named_modules())
     _check_divisible(modules, styles, tp)
+    moe_blocks = _moe_blocks(modules, shardings)
     if sp:
-        _check_sp_region_covered(model, modules, styles)
+        _check_sp_region_covered(model, modules, styles, exempt=moe_blocks)
     ties = tied_parameters(model)
     _divide_heads(modules, styles, tp)
     regions = _sp_regions(modules, styles) if sp else set()
@@ -96,18 +117,28 @@ def apply_tensor_parallel(
     }
     parallelize_module(model, tp_mesh, layer_plan)
     if sp:
-        for fqn in sorted(regions):
-            modules[fqn].register_forward_pre_hook(_gather_sequence_hook(tp_mesh), with_kwargs=True)
-        first = _first_layer(modules, styles)
-        if first is not None:
-            modules[first].register_forward_pre_hook(_scatter_sequence_hook(tp_mesh), with_kwargs=True)
-        head = modules.get("lm_head")
-        if head is not None and styles.get("lm_head", "replicate") not in ("vocab_head", "colwise"):
-            # a replicated head reads the whole sequence: gather it (the vocab_head's colwise input does that)
-            head.register_forward_pre_hook(_gather_sequence_hook(tp_mesh), with_kwargs=True)
+        _hook_sequence(model, modules, styles, regions=regions, moe_blocks=moe_blocks, tp_mesh=tp_mesh)
     retie(model, ties)
     log.info("tensor parallel tp=%d sp=%s: %d modules sharded", tp, sp, len(layer_plan))
     return model
+
+
+def _hook_sequence(model: nn.Module, modules: dict[str, nn.Module], styles: dict[str, str], *, regions: set[str],
+                   moe_blocks: list[str], tp_mesh: DeviceMesh) -> None:
+    """Sequence parallel hooks: gather before each region and MoE block, scatter at the first layer and after each
+    MoE block, gather before a replicated LM head (module docstring)."""
+    for fqn in sorted(regions):
+        modules[fqn].register_forward_pre_hook(_gather_sequence_hook(tp_mesh), with_kwargs=True)
+    for fqn in moe_blocks:
+        modules[fqn].register_forward_pre_hook(_gather_sequence_hook(tp_mesh), with_kwargs=True)
+        modules[fqn].register_forward_hook(lambda _m, _args, out: _scatter(out, tp_mesh))
+    first = _first_layer(modules, styles)
+    if first is not None:
+        modules[first].register_forward_pre_hook(_scatter_sequence_hook(tp_mesh), with_kwargs=True)
+    head = modules.get("lm_head")
+    if head is not None and styles.get("lm_head", "replicate") not in ("vocab_head", "colwise"):
+        # a replicated head reads the whole sequence: gather it (the vocab_head's colwise input does that)
+        head.register_forward_pre_hook(_gather_sequence_hook(tp_mesh), with_kwargs=True)
 
 
 def loss_parallel_works(tp_mesh: DeviceMesh) -> bool:
@@ -137,10 +168,13 @@ def loss_parallel_works(tp_mesh: DeviceMesh) -> bool:
 # --- plan -> styles ---------------------------------------------------------------------------------------
 
 
-def _styles_present(model: nn.Module, plan: Plan, *, strict: bool) -> dict[str, str]:
+def _styles_present(model: nn.Module, shardings: tuple[ModuleSharding, ...], *, strict: bool) -> dict[str, str]:
+    """Module FQN -> style of the plan's entries in ``model``; ``expert`` entries are left to expert parallel."""
     modules = dict(model.named_modules())
     styles: dict[str, str] = {}
-    for m in plan.shardings:
+    for m in shardings:
+        if m.style == "expert":
+            continue
         if m.fqn not in modules:
             if strict:
                 raise PlanMismatchError(
@@ -148,11 +182,6 @@ def _styles_present(model: nn.Module, plan: Plan, *, strict: bool) -> dict[str, 
                     "re-plan for this model"
                 )
             continue
-        if m.style == "expert":
-            raise ConfigError(
-                f"module {m.fqn}: style 'expert' (expert parallel) is not applied by apply_tensor_parallel; "
-                "use a plan with ep=1 and replicated experts"
-            )
         styles[m.fqn] = m.style
     return styles
 
@@ -235,13 +264,20 @@ def _first_layer(modules: dict[str, nn.Module], styles: dict[str, str]) -> str |
     return None
 
 
-def _check_sp_region_covered(model: nn.Module, modules: dict[str, nn.Module], styles: dict[str, str]) -> None:
-    """Under SP every parameter of a layer sees only local tokens: it must be TP-sharded or SequenceParallel."""
+def _moe_blocks(modules: dict[str, nn.Module], shardings: tuple[ModuleSharding, ...]) -> list[str]:
+    """FQNs of the MoE blocks in ``modules``: the parents of the plan's ``expert`` modules."""
+    return sorted({_parent(m.fqn) for m in shardings if m.style == "expert" and _parent(m.fqn) in modules})
+
+
+def _check_sp_region_covered(model: nn.Module, modules: dict[str, nn.Module], styles: dict[str, str], *,
+                             exempt: list[str]) -> None:
+    """Under SP every parameter of a layer sees only local tokens: it must be TP-sharded or SequenceParallel, or
+    sit in an ``exempt`` module that runs on the gathered sequence (a MoE block)."""
     first = _first_layer(modules, styles)
     if first is None:
         return
     owner = _parent(first)
-    covered = [f for f, s in styles.items() if s in _TP_STYLES]
+    covered = [f for f, s in styles.items() if s in _TP_STYLES] + list(exempt)
     for name, _ in model.named_parameters():
         if not name.startswith(owner + "."):
             continue

@@ -83,9 +83,17 @@ def opt_tied_model(*, device: str = "meta") -> nn.Module:
     return opt_model(device=device, tie=True)
 
 
+def handwritten_gpt_model(*, device: str = "meta") -> nn.Module:
+    """The plain-torch GPT of tests/models/gpt.py (no transformers), at this file's sizes; its head is tied."""
+    from tests.models.gpt import GPT
+
+    with torch.device(device):
+        return GPT(layers=2, hidden=HIDDEN, heads=4, vocab=VOCAB, max_seq=64)
+
+
 MODELS: dict[str, Callable[..., nn.Module]] = {
     "opt": opt_model, "opt_tied": opt_tied_model, "llama": llama_model, "mixtral": mixtral_model,
-    "mixtral_window": mixtral_window_model, "gpt2": gpt2_model,
+    "mixtral_window": mixtral_window_model, "gpt2": gpt2_model, "handwritten_gpt": handwritten_gpt_model,
 }
 
 
@@ -117,7 +125,8 @@ def reference_run(model_name: str, global_batch: int, *, seed: int = 0) -> dict[
     opt = make_optimizer(model.parameters())
     losses, grads = [], []
     for inputs, targets in batches(global_batch):
-        loss = loss_fn(model(inputs).logits, targets)
+        out = model(inputs)
+        loss = loss_fn(getattr(out, "logits", out), targets)
         loss.backward()
         losses.append(loss.detach())
         grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
@@ -167,3 +176,14 @@ def restrict(want: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
         "grads": [{n: g[n] for n in names} for g in want["grads"]],
         "params": {n: want["params"][n] for n in names},
     }
+
+
+def count_attention_calls(layers: dict, family: str) -> dict:
+    """Forward calls of each layer's attention module (twice per micro-batch where the layer is recomputed)."""
+    calls = {f: 0 for f in layers}
+    child = "attn" if family == "gpt2" else "self_attn"
+    for f, layer in layers.items():
+        def hook(*_args, _f=f):
+            calls[_f] += 1
+        layer.get_submodule(child).register_forward_hook(hook)
+    return calls

@@ -130,8 +130,8 @@ def test_committed_calibrations_load():
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_measure_collectives_on_two_gloo_ranks():  # ~10 s on an idle 2-core machine, a minute under load
-    from runtime.calibrate import CalibrationPlan
-    from runtime.calibrate_collectives import measure_collectives
+    from runtime.measure.collectives import measure_collectives
+    from runtime.measure.sweep import CalibrationPlan
 
     plan = CalibrationPlan(
         matmul_shapes=(), dtypes=(), membound_bytes=(), collective_bytes=(4096, 1 << 18), world_sizes=(2,),

@@ -12,6 +12,7 @@ from costmodel.profiles import (
     PROFILES_DIR,
     custom_cluster,
     get_accelerator,
+    get_link,
     get_node_type,
     list_accelerators,
     list_node_types,
@@ -106,7 +107,7 @@ def test_custom_cluster_for_what_if():
 def _copy_profiles(tmp_path: Path) -> Path:
     root = tmp_path / "profiles"
     root.mkdir()
-    for name in ("accelerators.toml", "links.toml", "nodes.toml"):
+    for name in ("accelerators.toml", "links.toml", "nodes.toml", "comm_curves.toml"):
         shutil.copy(PROFILES_DIR / name, root / name)
     return root
 
@@ -204,3 +205,94 @@ def test_one_accelerator_vocabulary_for_clusters_and_sweeps():
         get_node_type("h100-pcie")
     with pytest.raises(ProfileError, match=r"unknown node type 'dgx-h10' \(did you mean dgx-h100"):
         get_node_type("dgx-h10")
+
+
+# --------------------------------------------------------------------------------- development-set systems
+
+
+DEVSET_NODES = ("dgx-h100", "dgx-b200", "dgx-b300", "gb200-nvl72", "gb300-nvl72", "h200-8gpu-cx7")
+
+
+def test_every_development_set_system_is_a_node_type():
+    import json
+
+    systems = set()
+    for path in (PROFILES_DIR.parent / "benchmarks" / "data").glob("*.json"):
+        data = json.loads(path.read_text())
+        if isinstance(data, dict) and isinstance(data.get("rows"), list):
+            systems |= {row["system"] for row in data["rows"] if "system" in row}
+    assert systems and systems <= set(DEVSET_NODES) | {"dgx-a100-80gb"}
+    for name in DEVSET_NODES:
+        node = get_node_type(name)
+        assert node.source and node.gpu.source and node.intra.source and node.nic.source
+
+
+@pytest.mark.parametrize("name", DEVSET_NODES)
+def test_every_new_node_prices_collectives_inside_and_across(name):
+    from costmodel.comm import Group, collective_time_s
+
+    cluster = make_cluster(name, 2)
+    gpn = cluster.gpus_per_node
+    inside = collective_time_s("all_reduce", 2.0**28, Group(size=8), cluster)
+    across = collective_time_s("all_reduce", 2.0**28, Group(size=2, stride=gpn), cluster)
+    assert inside.link_kind == "nvswitch" and across.link_kind == "infiniband"
+    assert 0 < inside.time_s < across.time_s
+    assert inside.algorithm == "nvls"  # NVSwitch gen 3 and later reduce in the switch
+
+
+def test_nvl72_is_one_nvlink_domain_of_72_gpus_with_a_nic_each():
+    """tp / ep groups anywhere inside the rack get NVLink rates; data-parallel groups across racks get one
+    NIC per GPU (ConnectX-7 400G on GB200, ConnectX-8 800G on GB300)."""
+    from costmodel.comm import Group, collective_time_s
+
+    gb200, gb300 = get_node_type("gb200-nvl72"), get_node_type("gb300-nvl72")
+    assert (gb200.gpus_per_node, gb200.nics_per_node, gb200.intra.gbps_per_direction) == (72, 72, 900)
+    assert (gb200.nic_gbps_per_gpu, gb300.nic_gbps_per_gpu) == (50, 100)
+    rack = make_cluster("gb200-nvl72", 4)
+    ep64 = collective_time_s("all_to_all", 2.0**28, Group(size=64, stride=1), rack, first_rank=4)
+    tp8 = collective_time_s("all_reduce", 2.0**26, Group(size=8), rack, first_rank=64)  # trays 16-17
+    assert ep64.link_kind == "nvswitch" and tp8.link_kind == "nvswitch"
+    dp = collective_time_s("all_reduce", 2.0**28, Group(size=4, stride=72), rack)
+    assert dp.link_kind == "infiniband"
+    part = make_cluster("gb200-nvl72", 2, gpus_per_node=64)  # a job on 64 GPUs of each rack: 64 NICs each
+    assert (part.num_devices, part.node_type.nics_per_node) == (128, 64)
+
+
+def test_new_accelerators_and_fp8():
+    gb200, gb300, b300 = get_accelerator("gb200"), get_accelerator("gb300"), get_accelerator("b300")
+    assert (gb200.tflops("bf16"), gb200.tflops("fp8"), gb200.memory_gb) == (2500.0, 5000.0, 186)
+    assert (gb300.tflops("bf16"), gb300.memory_gb, b300.memory_gb, b300.tflops("fp8")) == (2500.0, 279, 288, 4500.0)
+    assert get_accelerator("h100").tflops("fp8") == pytest.approx(1978.9)  # dense, not the sparse 3,958
+    with pytest.raises(ProfileError, match="no peak rate for 'fp8'"):
+        get_accelerator("a100").tflops("fp8")  # no FP8 tensor cores before Hopper
+
+
+def test_every_curve_is_used_or_a_cross_check_and_cites_its_source():
+    db = load_profiles()
+    used = {c.name for link in db.links.values() for c in link.curves}
+    shapes = {c.shape.name for c in db.curves.values() if c.shape is not None}
+    assert set(db.curves) - used - shapes == {"azure-nd-h200-v5-allreduce-nvls"}
+    for curve in db.curves.values():
+        assert curve.source.strip() and len(curve.sizes_bytes) == len(curve.busbw_gbps)
+        assert 0.5 < curve.plateau_fraction < 1.1, curve.name
+    assert get_link("nvswitch-h100").curve("nvls").name == "azure-nd-h100-v5-allreduce-nvls"
+    assert get_link("nvlink5-switch").curve("nvls", 72).name == "coreweave-gb200-nvl72-allreduce"
+    assert get_link("nvlink5-switch").curve("nvls", 8).name == "b200-allreduce-nvls"
+    assert get_link("nvswitch-a100").curve("nvls") is None and not get_link("ib-ndr").sharp
+
+
+def test_bad_curves_are_rejected(tmp_path):
+    root = _copy_profiles(tmp_path)
+    _edit(root / "links.toml", 'curves = ["ib-hdr-a100-3node"]', 'curves = ["ib-hdr-a100-4node"]')
+    with pytest.raises(ProfileError, match=r"\[links\.ib-hdr\] key 'curves' names 'ib-hdr-a100-4node', not a curve"):
+        load_profiles(str(root))
+    (tmp_path / "b").mkdir()
+    root = _copy_profiles(tmp_path / "b")
+    _edit(root / "comm_curves.toml", "busbw_gbps = [320.0, 320.0]", "busbw_gbps = [320.0]")
+    with pytest.raises(ProfileError, match=r"comm_curves\.toml: \[curves\.roce-400g-h100\] sizes_bytes has 2 entries"):
+        load_profiles(str(root))
+    (tmp_path / "c").mkdir()
+    root = _copy_profiles(tmp_path / "c")
+    _edit(root / "comm_curves.toml", 'link = "roce-400g"', 'link = "roce-999g"')
+    with pytest.raises(ProfileError, match="key 'link' = 'roce-999g' is not a link of links.toml"):
+        load_profiles(str(root))

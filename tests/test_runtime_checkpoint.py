@@ -39,7 +39,7 @@ def _plan(kind: str, model):
 def _train(rank: int, world: int, *, kind: str, ckpt_dir: str, total: int, every: int,
            kill_at: int | None = None) -> dict:
     from runtime.checkpoint import Checkpointer
-    from runtime.wrap import apply_plan
+    from runtime import apply_plan
 
     model = opt_model()
     pm = apply_plan(model, _plan(kind, model), loss_fn=loss_fn)

@@ -1,7 +1,7 @@
-"""Expert parallel (runtime/expert_parallel.py) alone and combined with ZeRO, tensor parallel and pipeline
-parallel, on 2 and 4 gloo ranks vs the single-process Mixtral (4 experts, top-2, 2 layers): loss each step, every
-gathered gradient each step and the final parameters over 3 SGD-momentum steps, rtol=1e-4, atol=1e-5
-(runtime_cases; float32: the combine's index_add, FSDP's reduce-scatter, TP's sharded matmuls and the
+"""Expert parallel (runtime/expert_parallel.py) through ``runtime.apply_plan``, alone and combined with ZeRO, tensor
+parallel and pipeline parallel, on 2 and 4 gloo ranks vs the single-process Mixtral (4 experts, top-2, 2 layers):
+loss each step, every gathered gradient each step and the final parameters over 3 SGD-momentum steps, rtol=1e-4,
+atol=1e-5 (runtime_cases; float32: the combine's index_add, FSDP's reduce-scatter, TP's sharded matmuls and the
 micro-batches re-associate sums; the errors seen are ~1e-7). A pipeline rank is compared on its stage's
 parameters (``runtime_cases.restrict``).
 
@@ -96,7 +96,7 @@ def _train(pm) -> dict:
 def _run_cases(rank: int, world: int, cases: dict, checkpoint_dir: str | None = None) -> dict:
     import traceback
 
-    from runtime.expert_parallel import apply_expert_plan
+    from runtime import apply_plan
 
     out = {}
     for name, kw in cases.items():
@@ -107,7 +107,7 @@ def _run_cases(rank: int, world: int, cases: dict, checkpoint_dir: str | None = 
                 from runtime.materialize import materialize
 
                 model = materialize(model, device="cpu", seed=0)
-            out[name] = _train(apply_expert_plan(model, ep_plan(model, **kw), loss_fn=rc.loss_fn))
+            out[name] = _train(apply_plan(model, ep_plan(model, **kw), loss_fn=rc.loss_fn))
         except Exception:  # noqa: BLE001 - reported by the test of this case
             out[name] = {"error": traceback.format_exc()}
     if checkpoint_dir is not None:
@@ -123,14 +123,14 @@ def _checkpoint_roundtrip(directory: str) -> dict:
     the parameters and the next step's loss and parameters agree."""
     import torch
 
+    from runtime import apply_plan
     from runtime.checkpoint import Checkpointer
-    from runtime.expert_parallel import apply_expert_plan
 
     data = rc.batches(GLOBAL_BATCH, steps=2)
     models = []
     for kw in (dict(zero_stage=3), dict(zero_stage=0)):
         model = rc.mixtral_model()
-        pm = apply_expert_plan(model, ep_plan(model, dp=2, ep=2, **kw), loss_fn=rc.loss_fn)
+        pm = apply_plan(model, ep_plan(model, dp=2, ep=2, **kw), loss_fn=rc.loss_fn)
         models.append((pm, rc.make_optimizer(pm.parameters())))
     (src, src_opt), (dst, dst_opt) = models
     src.step(*data[0])
@@ -222,10 +222,10 @@ def test_ep_eight_ranks_matches_single_process(results_8, name):
 ])
 def test_refused_combinations_name_degrees_and_fix(kw, words):
     from costmodel.errors import ConfigError
-    from runtime.expert_parallel import check_expert_plan
+    from runtime.apply import check_plan_runs
 
     with pytest.raises(ConfigError) as e:
-        check_expert_plan(ep_plan(rc.mixtral_model(), **kw))
+        check_plan_runs(ep_plan(rc.mixtral_model(), **kw))
     for w in words:
         assert w in str(e.value)
 

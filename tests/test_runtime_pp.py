@@ -1,12 +1,13 @@
-"""Pipeline parallelism and activation checkpointing (runtime/pipeline.py, runtime/checkpointing.py).
+"""Pipeline parallelism (runtime/pipeline.py, through runtime.apply_plan), with per-stage recomputation.
 
-Tiers: the cut (chunks chained in one process == the full model) and recomputation are unit tests; schedules
-run on 2 and 4 gloo ranks (one spawned run per world size, several cases each) and are compared with the
-single-process model over 3 SGD steps: loss each step, every parameter's gradient each step (gathered from the
+Tiers: the cut (chunks chained in one process == the full model) is a unit test (recomputation's are in
+tests/test_runtime_recompute.py); schedules run on 2 and 4 gloo ranks (one spawned run per world size, several
+cases each) and are compared with the single-process model over 3 SGD steps: loss each step, every parameter's gradient each step (gathered from the
 stage that holds it) and the parameters after the last step. Tolerances: fp32 CPU; the pipeline splits the
 batch into micro-batches, so sums are re-associated: rtol=1e-5, atol=1e-6 (losses ~5, gradients ~1e-2).
 The action order each rank ran is recorded and compared with ``costmodel.pipeline.rank_orders`` (the order
-the cost model simulates), and the peak in-flight micro-batches with ``inflight_microbatches``.
+the cost model simulates), and the peak in-flight micro-batches with ``inflight_microbatches``; so are the layers
+each stage recomputes (its first ``recompute_layers``) and their attention forward calls (2 per micro-batch).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from planner.plan import (
     Prediction,
     ScheduleSpec,
     StagePlan,
+    module_fingerprint,
 )
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -76,20 +78,21 @@ def unit_fqns(model: torch.nn.Module) -> list[list[str]]:
 
 
 def make_plan(model, *, cuts: list[tuple[int, int]], pp: int, schedule: str, n_mb: int, mb: int = 2,
-              dp: int = 1, tp: int = 1, recompute: tuple[str, ...] | None = None,
+              dp: int = 1, tp: int = 1, recompute: tuple | None = None,
               shardings: tuple[ModuleSharding, ...] = ()) -> Plan:
-    """A hand-written plan: chunk i holds units [lo, hi) of ``unit_fqns(model)``."""
+    """A hand-written plan: chunk i holds units [lo, hi) of ``unit_fqns(model)``; ``recompute[i]`` is chunk i's
+    mode, or (mode, how many of its layers from the first: ``StagePlan.recompute_layers``)."""
     units = unit_fqns(model)
     d = ParallelDegrees(pp=pp, dp=dp, tp=tp)
-    rec = recompute or ("none",) * len(cuts)
+    rec = [r if isinstance(r, tuple) else (r, -1) for r in recompute or ("none",) * len(cuts)]
     stages = tuple(
         StagePlan(index=i, pp_rank=i % pp, modules=tuple(f for u in units[lo:hi] for f in u), ranks=(),
-                  recompute=rec[i])
+                  recompute=rec[i][0], recompute_layers=rec[i][1])
         for i, (lo, hi) in enumerate(cuts)
     )
     return Plan(
-        model=ModelInfo(name="tiny", fingerprint="sha256:0", params=1, flops_per_step=1.0, num_layers=4,
-                        seq_len=SEQ),
+        model=ModelInfo(name="tiny", fingerprint=module_fingerprint(model), params=1, flops_per_step=1.0,
+                        num_layers=4, seq_len=SEQ),
         cluster=ClusterInfo(name="local", num_devices=d.world_size, nodes=1, gpus_per_node=d.world_size, gpu="cpu"),
         degrees=d, mesh=MeshSpec.from_degrees(d), stages=stages, shardings=shardings,
         schedule=ScheduleSpec(name=schedule, microbatch_size=mb, num_microbatches=n_mb,
@@ -228,58 +231,6 @@ def test_stage_placement_and_inputs_are_checked():
         _input_ids((ids, ids))
 
 
-# --- unit: recomputation ----------------------------------------------------------------------------------
-
-
-class _OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.counts: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        self.counts[name] = self.counts.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
-
-
-@pytest.mark.parametrize("family", ["opt", "llama"])
-def test_recompute_same_numbers_and_recomputes_what_it_says(family):
-    from runtime.checkpointing import apply_activation_checkpointing, recompute_mode
-    from runtime.model_adapters import adapter_for
-
-    ids, tgt = batches(2)[0]
-    results = {}
-    for mode in ("none", "selective", "full"):
-        model = tiny_model(family)
-        layers = adapter_for(model).layout.layers
-        apply_activation_checkpointing(model, layer_fqns=layers, mode=mode)
-        assert recompute_mode(model.get_submodule(layers[0])) == mode
-        names = [n for n, _ in model.named_parameters()]  # FQNs unchanged by checkpointing
-        loss = lm_loss(model(ids).logits, tgt)
-        with _OpCounter() as ops:
-            loss.backward()
-        results[mode] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()}, ops.counts, names)
-    for mode in ("selective", "full"):
-        torch.testing.assert_close(results[mode][0], results["none"][0], rtol=0, atol=0)
-        torch.testing.assert_close(results[mode][1], results["none"][1], rtol=RTOL, atol=ATOL)
-        assert results[mode][3] == results["none"][3]
-    sdpa = "_scaled_dot_product_flash_attention_for_cpu"
-    n_layers = len(adapter_for(tiny_model(family)).layout.layers)
-    none, sel, full = (results[m][2] for m in ("none", "selective", "full"))
-    # attention core re-run in backward once per layer under selective and full, never without recompute
-    assert none.get(sdpa, 0) == 0 and sel.get(sdpa, 0) == n_layers and full.get(sdpa, 0) == n_layers
-    # the linear layers' forward matmuls are recomputed only under full recomputation
-    assert full.get("mm", 0) + full.get("addmm", 0) > sel.get("mm", 0) + sel.get("addmm", 0)
-    assert sel.get("mm", 0) + sel.get("addmm", 0) == none.get("mm", 0) + none.get("addmm", 0)
-
-
-def test_recompute_mode_is_checked():
-    from runtime.checkpointing import set_recompute
-
-    with pytest.raises(ConfigError, match="recompute='some'"):
-        set_recompute(torch.nn.Linear(2, 2), "some")
-
-
 # --- distributed: schedules against the single-process model ----------------------------------------------
 
 # name: (family, tied, schedule, cuts, n_mb, mb, recompute per chunk, pp, dp, tp)
@@ -289,6 +240,8 @@ CASES_2 = {
     "llama-interleaved-2x2": ("llama", False, "interleaved-1f1b", [(0, 2), (2, 3), (3, 4), (4, 7)], 4, 1,
                               ("selective", "none", "full", "none"), 2, 1, 1),
     "mixtral-zero-bubble": ("mixtral", False, "zero-bubble", [(0, 3), (3, 7)], 4, 1, None, 2, 1, 1),
+    "llama-1f1b-recompute-first-layer": ("llama", False, "1f1b", [(0, 3), (3, 7)], 2, 2,
+                                         (("full", 1), ("selective", 1)), 2, 1, 1),
     "llama-zero-bubble-2x2": ("llama", False, "zero-bubble", [(0, 2), (2, 3), (3, 4), (4, 7)], 4, 1, None,
                               2, 1, 1),
 }
@@ -347,41 +300,42 @@ def _run_case(case) -> dict:
 
 
 def _run_plan(family: str, tied: bool, plan: Plan) -> dict:
-    """3 SGD steps of ``plan`` through build_pipeline on this rank: losses, local gradients, parameters, actions."""
-    from runtime.pipeline import build_pipeline, default_mesh
+    """3 SGD steps of ``plan`` through runtime.apply_plan on this rank: losses, local gradients, parameters,
+    actions."""
+    from runtime import apply_plan
+    from runtime.checkpointing import recompute_mode
+    from runtime_cases import count_attention_calls
 
-    tp = plan.degrees.tp
-    mesh = default_mesh(plan)
-    wrap = None
-    if tp > 1:
-        from runtime.tensor_parallel import apply_tensor_parallel
-
-        def wrap(chunk):
-            return apply_tensor_parallel(chunk, plan=plan, mesh=mesh, strict=False, loss_parallel_ok=False)
-
-    runner = build_pipeline(tiny_model(family, tied=tied), plan=plan, mesh=mesh, loss_fn=lm_loss, wrap_chunk=wrap)
+    pm = apply_plan(tiny_model(family, tied=tied), plan, loss_fn=lm_loss)
+    runner = pm.pipeline
     actions = _record_actions(runner)
-    opt = torch.optim.SGD(runner.parameters(), lr=LR)
+    layers = {f: c.get_submodule(f) for c in runner.modules for f in c.layer_fqns}
+    calls = count_attention_calls(layers, family)
+    opt = torch.optim.SGD(pm.parameters(), lr=LR)
     local_b = plan.schedule.microbatch_size * plan.schedule.num_microbatches
-    d = mesh.get_local_rank("dp")
-    out = {"losses": [], "grads": [], "pp_rank": runner.pp_rank, "tp_rank": mesh.get_local_rank("tp")}
-    for ids, tgt in batches(plan.global_batch):
+    d = pm.mesh.get_local_rank("dp")
+    out = {"losses": [], "grads": [], "pp_rank": runner.pp_rank, "tp_rank": pm.mesh.get_local_rank("tp")}
+    for step, (ids, tgt) in enumerate(batches(plan.global_batch)):
         actions.clear()
+        calls.update(dict.fromkeys(calls, 0))
         opt.zero_grad()
-        loss = runner.step(ids[d * local_b:(d + 1) * local_b], tgt[d * local_b:(d + 1) * local_b])
+        loss = pm.step(ids[d * local_b:(d + 1) * local_b], tgt[d * local_b:(d + 1) * local_b])
         out["losses"].append(loss.item())
-        out["grads"].append({n: _full(p.grad).clone() for n, p in runner.named_parameters() if p.grad is not None})
+        out["grads"].append({n: _full(p.grad).clone() for n, p in pm.named_parameters() if p.grad is not None})
+        if step == 1:  # not the first: the stages' shape inference runs one more forward there
+            out["attention_calls"] = dict(calls)
         opt.step()
-    out["params"] = {n: _full(p.detach()).clone() for n, p in runner.named_parameters()}
+    out["params"] = {n: _full(p.detach()).clone() for n, p in pm.named_parameters()}
     out["actions"] = list(actions)
+    out["recompute"] = {f: recompute_mode(m) for f, m in layers.items()}
     return out
 
 
 def _apply_plan_meta_zero3(dp: int) -> list[float]:
     """Through runtime.apply_plan: a meta-device model, pp=2 x dp ZeRO-3 (FSDP2 on each chunk), materialised
     per chunk; the losses of 3 steps (compared with the single-process model in the parent)."""
+    from runtime import apply_plan
     from runtime.manual_plan import manual_plan
-    from runtime.wrap import apply_plan
 
     with torch.device("meta"):
         model = tiny_model("llama")
@@ -412,8 +366,8 @@ def _pp_body(rank: int, world_size: int, names: list[str]) -> dict:
 
 
 def _zero_bubble_fsdp_error() -> str:
+    from runtime import apply_plan
     from runtime.manual_plan import manual_plan
-    from runtime.wrap import apply_plan
 
     with torch.device("meta"):
         model = tiny_model("llama")
@@ -430,11 +384,28 @@ def _check_case(name: str, case, per_rank: list[dict]) -> None:
     _check_plan(name, case[0], case[1], _case_plan(case), per_rank)
 
 
+def _recompute_wanted(plan: Plan, family: str) -> dict[str, str]:
+    """Layer FQN -> the mode the plan asks for: a stage's first ``recompute_layers`` (-1: all) layers."""
+    layers = unit_fqns(tiny_model(family))[1:-1]
+    out = {}
+    for st in plan.stages:
+        mine = [u[0] for u in layers if u[0] in st.modules]
+        k = len(mine) if st.recompute_layers == -1 else st.recompute_layers
+        out.update({f: st.recompute if i < k else "none" for i, f in enumerate(mine)})
+    return out
+
+
 def _check_plan(name: str, family: str, tied: bool, plan: Plan, per_rank: list[dict]) -> None:
     from costmodel.pipeline import Action, inflight_microbatches, rank_orders
 
     schedule, n_mb, pp = plan.schedule.name, plan.schedule.num_microbatches, plan.degrees.pp
     ref = reference_run(family, tied=tied, batch=plan.global_batch)
+    want = _recompute_wanted(plan, family)
+    for r, res in enumerate(per_rank):  # each stage's first recompute_layers layers, and only those, recompute
+        assert res["recompute"] == {f: want[f] for f in res["recompute"]}, f"{name} rank {r}: {res['recompute']}"
+        calls = {f: n_mb * (2 if want[f] != "none" else 1) for f in res["recompute"]}
+        assert res["attention_calls"] == calls, f"{name} rank {r}: attention forward calls {res['attention_calls']}"
+    assert set(want) == {f for res in per_rank for f in res["recompute"]}
     for r, res in enumerate(per_rank):
         torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(ref["losses"]), rtol=RTOL, atol=ATOL,
                                    msg=lambda m: f"{name} rank {r} losses: {m}")
@@ -560,39 +531,13 @@ def test_planner_made_pipeline_plan_runs_and_matches_single_process():
     ``model.rotary_emb`` listed in the embedding group) run on 2 ranks with the single-process numbers."""
     from costmodel.profiles import resolve_cluster
     from dist_utils import run_distributed
-    from planner.plan import model_fingerprint
     from planner.search.driver import plan_model
 
     spec = "llama:layers=4,hidden=64,ffn=128,heads=4,kv_heads=2,vocab=128,seq=16"
     cluster = resolve_cluster("local", nodes=1, gpus_per_node=2)
     plan = plan_model(spec, cluster, global_batch=4, fix="pp=2,tp=1,dp=1,schedule=interleaved-1f1b,virtual_stages=2")
     model = tiny_model("llama")
-    assert plan.model.fingerprint == model_fingerprint(
-        (n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()
-    )
+    assert plan.model.fingerprint == module_fingerprint(model)
     assert plan.degrees.pp == 2 and plan.schedule.virtual_stages == 2
     results = run_distributed(_planned_body, world_size=2, args=(plan.to_dict(),), timeout_s=300)
     _check_plan("planner-made", "llama", False, plan, results)
-
-
-@pytest.mark.parametrize("mode", ["none", "selective", "full"])
-def test_plan_recompute_without_a_pipeline_sets_every_layer(mode):
-    """pp = 1: apply_plan sets the plan's single stage's recomputation on every transformer layer."""
-    from runtime.checkpointing import apply_plan_recompute, recompute_mode
-    from runtime.manual_plan import manual_plan
-    from runtime.model_adapters import adapter_for
-
-    model = tiny_model("llama")
-    apply_plan_recompute(model, plan=manual_plan(model, recompute=mode))
-    layers = adapter_for(model).layout.layers
-    assert [recompute_mode(model.get_submodule(fqn)) for fqn in layers] == [mode] * len(layers)
-
-
-def test_selective_recompute_is_refused_on_moe_layers():
-    from runtime.checkpointing import set_recompute
-    from runtime_cases import mixtral_model
-
-    layer = mixtral_model().model.layers[0]
-    with pytest.raises(ConfigError, match="selective.*MoE.*recompute=full"):
-        set_recompute(layer, "selective")
-    set_recompute(layer, "full")  # full recomputation runs on MoE layers

@@ -73,7 +73,7 @@ def _tp2_body(rank: int, world_size: int, tmp: str) -> dict:
     from runtime.materialize import local_numel, materialize
     from runtime.mesh import build_mesh
     from runtime.tensor_parallel import apply_tensor_parallel, loss_parallel_works
-    from runtime.wrap import ParallelModel
+    from runtime import ParallelModel
 
     out = {"runs": _run_cases(TP2_CASES)}
     # gathered-logits fallback (what runs where loss-parallel is unavailable)

@@ -22,7 +22,7 @@ def _opt():
 @pytest.mark.slow  # spawns 2 ranks that import transformers: 20-50 s on 2 shared cores
 def test_measure_plan_two_ranks():
     from runtime.manual_plan import manual_plan
-    from runtime.validate import measure_plan
+    from runtime.measure.validate import measure_plan
 
     plan = manual_plan(_opt(), dp=2, microbatch_size=1, num_microbatches=1, seq_len=8)
     got = measure_plan(plan, model_factory=functools.partial(_opt), steps=2, warmup=1, compute_dtype="fp32")
@@ -43,7 +43,7 @@ def _parse(*argv):
 
 def test_row_error_is_relative_to_measured():
     from runtime.manual_plan import manual_plan
-    from runtime.validate import RankMeasurement
+    from runtime.measure.validate import RankMeasurement, step_times_s
 
     plan = manual_plan(_opt(), dp=2)
     plan = dataclasses.replace(plan, prediction=dataclasses.replace(plan.prediction, step_time_s=1.2,
@@ -52,7 +52,7 @@ def test_row_error_is_relative_to_measured():
     times = ((0.9, 0.8, 1.3), (1.0, 0.7, 1.2))
     ms = [RankMeasurement(rank=r, step_times_s=t, step_time_s=sorted(t)[1], peak_rss_bytes=int(3e8),
                           base_rss_bytes=int(1e8), losses=(1.0,) * 3) for r, t in enumerate(times)]
-    assert cmd.step_times_s(ms) == [1.0, 0.8, 1.3]
+    assert step_times_s(ms) == [1.0, 0.8, 1.3]
     row = cmd._row(plan, ms)
     assert row["measured_s"] == 1.0 and row["fastest_s"] == 0.8 and row["error"] == pytest.approx(0.2)
     assert row["measured_gb"] == pytest.approx(0.2)
@@ -80,34 +80,38 @@ def _cal(scale: float = 1.0, bf16_peak: float | None = None):
 
 
 def test_compute_dtype_follows_the_calibration():
+    from planner.reprice import calibration_for
+    from runtime.measure.validate import compute_dtype
+
     emulated = _cal(bf16_peak=1e-4)  # bf16 far below fp32 (0.05 TFLOP/s): a CPU without native bf16
-    assert cmd.compute_dtype(emulated, "auto") == "fp32" and cmd.compute_dtype(emulated, "bf16") == "bf16"
-    assert cmd.compute_dtype(_cal(bf16_peak=1.0), "auto") == "bf16"
-    assert cmd.compute_dtype(None, "auto") == "fp32"
-    fp32_only = cmd.calibration_for(emulated, "fp32")
+    assert compute_dtype(emulated, "auto") == "fp32" and compute_dtype(emulated, "bf16") == "bf16"
+    assert compute_dtype(_cal(bf16_peak=1.0), "auto") == "bf16"
+    assert compute_dtype(None, "auto") == "fp32"
+    fp32_only = calibration_for(emulated, "fp32")
     assert [f.dtype for f in fp32_only.matmul_fits] == ["fp32"] and fp32_only.dispatch_fit == emulated.dispatch_fit
-    assert cmd.calibration_for(emulated, "bf16") is emulated
+    assert calibration_for(emulated, "bf16") is emulated
 
 
 def test_plans_made_on_the_fly_are_priced_with_the_calibration():
     from costmodel.profiles import make_cluster
+    from planner.reprice import reprice
 
     args = _parse("--model", TINY, "--gpus-per-node", "2", "--global-batch", "4", "--fix", "dp=2,zero=0")
     slow, fast = _cal(), _cal(scale=4.0)
     (p_slow,), (p_fast,) = cmd._plans(args, slow, "fp32"), cmd._plans(args, fast, "fp32")
     assert p_fast.prediction.step_time_s < p_slow.prediction.step_time_s
     # the same configuration re-priced on the calibrated cluster gives the plan's own prediction
-    again = cmd.reprice(p_slow, make_cluster("local", 1, gpus_per_node=2, calibration=slow), dtype="fp32")
+    again = reprice(p_slow, make_cluster("local", 1, gpus_per_node=2, calibration=slow), dtype="fp32")
     assert again.prediction.step_time_s == pytest.approx(p_slow.prediction.step_time_s, rel=1e-12)
     assert p_slow.prediction.breakdown_s["compute"] > 3 * (1e-3 + 2e-3)  # the calibrated dispatch time is in it
-    bf16 = cmd.reprice(p_slow, make_cluster("local", 1, gpus_per_node=2, calibration=slow), dtype="bf16")
+    bf16 = reprice(p_slow, make_cluster("local", 1, gpus_per_node=2, calibration=slow), dtype="bf16")
     assert bf16.prediction.step_time_s < p_slow.prediction.step_time_s  # half the bytes to reduce
 
 
 def test_bad_input_is_a_typed_error():
     from costmodel.errors import ConfigError
-    from runtime.validate import measure_plan
     from runtime.manual_plan import manual_plan
+    from runtime.measure.validate import measure_plan
 
     with pytest.raises(ConfigError, match="nothing to validate"):
         cmd._plans(_parse(), None)

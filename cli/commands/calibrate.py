@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 NAME = "calibrate"
 HELP = "measure this machine (matmuls, a memory-bound op, collectives among local ranks) and write a profile"
@@ -29,12 +30,35 @@ def dispatch_model(layers: int):
     return build_model(DISPATCH_SPEC.format(layers=layers), batch=1, seq=8, device="cpu").model
 
 
+class _Bar:
+    """``progress(done, total)`` as a tqdm bar on stderr."""
+
+    def __init__(self) -> None:
+        self.bar = None
+
+    def __call__(self, done: int, total: int) -> None:
+        from tqdm import tqdm
+
+        if self.bar is None:
+            self.bar = tqdm(total=total, file=sys.stderr, desc="calibrate", unit="pt", leave=False)
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def run(args: argparse.Namespace) -> int:
     from cli.calibration_file import save_calibration
-    from runtime.calibrate import run_calibration  # the CLI is the edge that may compose runtime
+    from runtime.measure.calibrate import run_calibration  # the CLI is the edge that may compose runtime
 
-    cal = run_calibration(ranks=args.ranks, quick=args.quick, progress=not args.no_progress,
-                          dispatch_model=dispatch_model, concurrent=args.concurrent)
+    bar = None if args.no_progress else _Bar()
+    try:
+        cal = run_calibration(ranks=args.ranks, quick=args.quick, progress=bar, dispatch_model=dispatch_model,
+                              concurrent=args.concurrent)
+    finally:
+        if bar is not None:
+            bar.close()
     path = save_calibration(cal, args.out)
     print(f"calibrated {cal.device_name} ({cal.accelerator}, {cal.backend}) on {cal.date}")
     for fit in cal.matmul_fits:

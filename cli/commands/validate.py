@@ -29,9 +29,6 @@ NAME = "validate"
 HELP = ("run plans for a few steps on local ranks; measured step time / memory vs the plan's predictions; exits 1 "
         "when a plan's measured step time is more than 20 percent off its prediction")
 
-_CALIBRATION_DIR = Path(__file__).resolve().parents[2] / "profiles" / "calibration"
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("plans", nargs="*", type=Path, help="plan JSON files (from `autopar plan --cluster local`)")
     p.add_argument("--model", default=None, help="model spec, to plan on the fly (instead of plan files)")
@@ -63,65 +60,12 @@ def build_model_for(spec: str, batch: int, seq: int):
     return build_model(spec, batch=batch, seq=seq, device="meta").model
 
 
-def default_profile() -> Path | None:
-    files = sorted(_CALIBRATION_DIR.glob("*.json"), key=lambda f: f.stat().st_mtime)
-    return files[-1] if files else None
-
-
-def compute_dtype(cal, requested: str) -> str:
-    """``requested`` unless ``auto``: bf16 when ``cal`` has a bf16 matmul fit at least as fast as its fp32 one
-    (native bf16), else fp32."""
-    if requested != "auto":
-        return requested
-    if cal is None:
-        return "fp32"
-    bf16, fp32 = cal.matmul_fit("bf16"), cal.matmul_fit("fp32")
-    if bf16 is None:
-        return "fp32"
-    return "bf16" if fp32 is None or bf16.peak_tflops >= fp32.peak_tflops else "fp32"
-
-
-def calibration_for(cal, dtype: str):
-    """``cal`` as the runs will use it: fp32 compute drops the other dtypes' matmul fits, so the cost model
-    (which asks for bf16 and falls back to fp32) prices what runs."""
-    import dataclasses
-
-    if cal is None or dtype != "fp32" or cal.matmul_fit("fp32") is None:
-        return cal
-    return dataclasses.replace(cal, matmul_fits=(cal.matmul_fit("fp32"),))
-
-
-def reprice(plan, cluster, *, dtype: str):
-    """``plan``'s configuration priced on ``cluster`` for ``dtype`` compute (even cuts): the planner traces bf16
-    (activation, gradient and tp / dp message bytes of 2 per element); fp32 runs move 4."""
-    import dataclasses
-
-    from costmodel.step import ParallelConfig, estimate_step
-    from planner.search.assemble import prediction
-    from planner.workload import workload_from_model
-
-    workload, _ = workload_from_model(plan.model.name, seq=plan.model.seq_len)
-    workload = dataclasses.replace(workload, dtype_bytes={"fp32": 4, "bf16": 2}[dtype])
-    d, s = plan.degrees, plan.schedule
-    cfg = ParallelConfig(
-        tp=d.tp, pp=d.pp, dp=d.dp, cp=d.cp, ep=d.ep, microbatch=s.microbatch_size, global_batch=plan.global_batch,
-        schedule=s.name, virtual_stages=s.virtual_stages, recompute=plan.stages[0].recompute if plan.stages else "none",
-        sequence_parallel=plan.sequence_parallel, zero_stage=plan.zero_stage,
-    )
-    return dataclasses.replace(plan, prediction=prediction(estimate_step(workload, cfg, cluster)))
-
-
-def priced_for_dtype(plan, cluster, *, dtype: str):
-    """``plan`` as made, or re-priced when ``dtype`` compute moves other bytes than the traced (bf16) model."""
-    from planner.workload import workload_from_model
-
-    workload, _ = workload_from_model(plan.model.name, seq=plan.model.seq_len)
-    return plan if workload.dtype_bytes == {"fp32": 4, "bf16": 2}[dtype] else reprice(plan, cluster, dtype=dtype)
-
-
 def _plans(args: argparse.Namespace, cal, dtype: str = "bf16") -> list:
     from costmodel.errors import ConfigError
+    from costmodel.profiles import load_cluster_file, make_cluster
     from planner.plan import load_plan
+    from planner.reprice import priced_for_dtype
+    from planner.search.driver import plan_model
 
     if args.plans and args.model:
         raise ConfigError("give plan files or --model (to plan on the fly), not both")
@@ -129,9 +73,6 @@ def _plans(args: argparse.Namespace, cal, dtype: str = "bf16") -> list:
         return [load_plan(p) for p in args.plans]
     if not args.model:
         raise ConfigError("nothing to validate: give plan files or --model SPEC --cluster local --gpus-per-node N")
-    from costmodel.profiles import load_cluster_file, make_cluster
-    from planner.search.driver import plan_model
-
     if args.cluster.endswith(".toml"):
         cluster = load_cluster_file(args.cluster, calibration=cal)
     else:
@@ -154,24 +95,48 @@ def _calibrate(args: argparse.Namespace) -> Path:
 
     from cli.calibration_file import save_calibration
     from cli.commands.calibrate import dispatch_model
-    from runtime.calibrate import run_calibration
+    from runtime.measure.calibrate import run_calibration
 
     print(f"autopar validate: quick calibration on {args.gpus_per_node} ranks first ...", file=sys.stderr, flush=True)
-    cal = run_calibration(ranks=max(2, args.gpus_per_node), quick=True, progress=False, dispatch_model=dispatch_model)
+    cal = run_calibration(ranks=max(2, args.gpus_per_node), quick=True, dispatch_model=dispatch_model)
     out = args.calibration_out or Path(tempfile.mkdtemp(prefix="autopar-validate-")) / "calibration.json"
     return save_calibration(cal, out)
+
+
+def _measured_row(args: argparse.Namespace, plan, *, cal, dtype: str, threads: int) -> dict:
+    """Run ``plan``; with ``--calibrate`` price it with the compute rates its ranks measured right after."""
+    from cli.commands.calibrate import dispatch_model
+    from costmodel.profiles import make_cluster
+    from planner.reprice import calibration_for, reprice
+    from runtime.measure.compute import with_compute
+    from runtime.measure.validate import measure_plan
+
+    if "local" not in plan.cluster.name:
+        print(f"autopar validate: warning: plan made for {plan.cluster.name!r}, not 'local': predictions are "
+              "for that cluster", file=sys.stderr)
+    factory = functools.partial(build_model_for, plan.model.name, plan.global_batch, plan.model.seq_len)
+    got = measure_plan(plan, model_factory=factory, steps=args.steps, warmup=args.warmup, threads_per_rank=threads,
+                       compute_dtype=dtype, calibrate_after=args.calibrate, dispatch_model=dispatch_model)
+    if args.calibrate:
+        now = with_compute(cal, [m.compute_sweep for m in got])
+        cluster = make_cluster("local", 1, gpus_per_node=plan.degrees.world_size,
+                               calibration=calibration_for(now, dtype))
+        plan = reprice(plan, cluster, dtype=dtype)
+    return _row(plan, got)
 
 
 def run(args: argparse.Namespace) -> int:
     import os
 
-    from costmodel.profiles import load_calibration
     from costmodel.errors import ConfigError
-    from runtime.validate import measure_plan
+    from costmodel.profiles import load_calibration
+    from planner.reprice import calibration_for
+    from runtime.measure.calibrate import latest_calibration
+    from runtime.measure.validate import compute_dtype
 
     if args.calibrate and args.plans:
         raise ConfigError("--calibrate prices plans made on the fly (--model); saved plan files keep their predictions")
-    profile = _calibrate(args) if args.calibrate else (Path(args.profile) if args.profile else default_profile())
+    profile = _calibrate(args) if args.calibrate else (Path(args.profile) if args.profile else latest_calibration())
     cal = load_calibration(profile) if profile else None
     threads = args.threads if args.threads is not None else (cal.threads_per_rank if cal is not None else 1)
     dtype = compute_dtype(cal, args.dtype)
@@ -182,24 +147,7 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     out = sys.stderr if args.json else sys.stdout
     for plan in plans:
-        if "local" not in plan.cluster.name:
-            print(f"autopar validate: warning: plan made for {plan.cluster.name!r}, not 'local': predictions are "
-                  "for that cluster", file=sys.stderr)
-        factory = functools.partial(build_model_for, plan.model.name, plan.global_batch, plan.model.seq_len)
-        from cli.commands.calibrate import dispatch_model
-
-        got = measure_plan(plan, model_factory=factory, steps=args.steps, warmup=args.warmup,
-                           threads_per_rank=threads, compute_dtype=dtype, calibrate_after=args.calibrate,
-                           dispatch_model=dispatch_model)
-        if args.calibrate:  # this plan's prediction from the compute rates its ranks measured right after
-            from costmodel.profiles import make_cluster
-            from runtime.calibrate import with_compute
-
-            now = with_compute(cal, [m.compute_sweep for m in got])
-            cluster = make_cluster("local", 1, gpus_per_node=plan.degrees.world_size,
-                                   calibration=calibration_for(now, dtype))
-            plan = reprice(plan, cluster, dtype=dtype)
-        rows.append(_row(plan, got))
+        rows.append(_measured_row(args, plan, cal=cal, dtype=dtype, threads=threads))
         print(_format([rows[-1]], header=len(rows) == 1), flush=True, file=out)
     if not rows:
         raise ConfigError("no plans measured")
@@ -221,16 +169,13 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK if within == len(rows) else EXIT_NO
 
 
-def step_times_s(got) -> list[float]:
-    """Per measured step, the slowest rank's time (steps end together: every rank waits for the slowest)."""
-    return [max(steps) for steps in zip(*(m.step_times_s for m in got))]
-
-
 def _row(plan, got) -> dict:
     """One table row. ``measured_s`` is the median step (a shared machine's other jobs slow some steps; the
     calibration, measured with the same ranks at once just before, keeps its median blocks alike),
     ``fastest_s`` the fastest."""
     import statistics
+
+    from runtime.measure.validate import step_times_s
 
     steps = step_times_s(got)
     measured_s = statistics.median(steps)

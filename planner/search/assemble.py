@@ -7,7 +7,6 @@ from typing import Any, Mapping, Sequence
 from planner.plan import (
     Alternative,
     ClusterInfo,
-    MeshSpec,
     ModelInfo,
     ModuleSharding,
     ParallelDegrees,
@@ -57,11 +56,11 @@ def stage_plans(
         r = c % s.pp
         ranks = tuple(range(r * per_rank, (r + 1) * per_rank))
         k = 0 if candidate.knobs.recompute == "none" else _recomputed(workload.layers[start : start + n], counts, c)
-        out.append(StagePlan(
-            index=c,
-            pp_rank=r,
+        out.append(StagePlan.placed(
+            c,
+            pp=s.pp,
+            world_size=cluster.num_devices,
             modules=tuple(m for group in names[start : start + n] for m in group),
-            ranks=ranks,
             recompute=candidate.knobs.recompute if k > 0 else "none",  # a chunk that recomputes nothing says so
             recompute_layers=k,
             gpu=devices[r] if len(devices) == s.pp else cluster.group_of_rank(ranks[0]).node.gpu.name,
@@ -145,11 +144,10 @@ def build_plan(
         )
         for c in result.alternatives
     )
-    return Plan(
+    return Plan.build(
         model=model_info,
         cluster=cluster_info(cluster),
         degrees=degrees,
-        mesh=MeshSpec.from_degrees(degrees),
         stages=stage_plans(workload=workload, cluster=cluster, candidate=best, module_groups=module_groups),
         shardings=tuple(shardings),
         zero_stage=best.knobs.zero_stage,
@@ -158,7 +156,6 @@ def build_plan(
             name=s.schedule, microbatch_size=s.microbatch, num_microbatches=s.num_microbatches,
             virtual_stages=s.virtual_stages,
         ),
-        global_batch=global_batch,
         prediction=prediction(best.estimate),
         solver=stats,
         alternatives=alternatives,

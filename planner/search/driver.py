@@ -565,10 +565,12 @@ def plan_model(
     options: sp.SearchOptions | None = None,
     progress: Progress | None = None,
     record_timings: bool = True,
+    example_inputs: Any = None,
     target: str = "autopar",
     precision: str = "bf16",
 ):
-    """Plan ``model`` (a spec string, or a ``(Workload, ModelInfo)`` pair) on ``cluster``: a ``Plan``.
+    """Plan ``model`` (a spec string, an ``nn.Module`` with its ``example_inputs``, or a ``(Workload,
+    ModelInfo)`` pair) on ``cluster``: a ``Plan``.
 
     ``time_limit_s`` bounds the search, which starts once the model is traced (anytime: the best plan so far,
     ``solver.status == "feasible"``; ``solver.time_per_phase_s["trace"]`` is the trace's time);
@@ -586,14 +588,14 @@ def plan_model(
         spec.check_precision(precision, cluster)
     plans = [_plan_one(model, cluster, global_batch=global_batch, seq=seq, time_limit_s=time_limit_s, fix=fix,
                        options=options, progress=progress, record_timings=record_timings, target=spec, precision=p,
-                       estimate=functools.partial(estimate_step, target=spec))
+                       estimate=functools.partial(estimate_step, target=spec), example_inputs=example_inputs)
              for p in (spec.precisions_on(cluster) if precision == "auto" else (precision,))]
     return min(plans, key=lambda p: (not p.prediction.fits, p.prediction.step_time_s))
 
 
 def _plan_one(model: Any, cluster: Any, *, global_batch: int, seq: int | None, time_limit_s: float | None, fix: Any,
               options: sp.SearchOptions | None, progress: Progress | None, record_timings: bool, target: Any,
-              precision: str, estimate: Estimator):
+              precision: str, estimate: Estimator, example_inputs: Any):
     """``plan_model`` for one target and precision."""
     from planner.search import model_input
     from planner.search.assemble import build_plan
@@ -603,7 +605,7 @@ def _plan_one(model: Any, cluster: Any, *, global_batch: int, seq: int | None, t
     if time_limit_s is not None and not time_limit_s >= 0:
         raise ConfigError(f"time_limit_s={time_limit_s!r} must be >= 0 seconds (or None for no limit)")
     t0 = time.perf_counter()
-    loaded = model_input.load(model, seq=seq, global_batch=global_batch)
+    loaded = model_input.load(model, seq=seq, global_batch=global_batch, example_inputs=example_inputs)
     t_trace = time.perf_counter() - t0
     sp_tps = model_input.sequence_parallel_tps(loaded, cluster=cluster, max_tp=int(cluster.gpus_per_node))
     if sp_tps is not None:

@@ -25,8 +25,9 @@ class LoadedModel:
     """Group names in ``workload.layers`` (``embedding``, ``head``) -> the module FQNs they stand for."""
 
 
-def load(model: Any, *, seq: int | None, global_batch: int) -> LoadedModel:
-    """``model`` is a spec string (traced and cached by ``planner.workload``) or a ``(Workload, ModelInfo)``."""
+def load(model: Any, *, seq: int | None, global_batch: int, example_inputs: Any = None) -> LoadedModel:
+    """``model`` is a spec string (traced and cached by ``planner.workload``), an ``nn.Module`` with its
+    ``example_inputs`` (traced as it is, batch first) or a ``(Workload, ModelInfo)``."""
     if isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], Workload):
         workload, info = model
         if not isinstance(info, ModelInfo):
@@ -35,17 +36,28 @@ def load(model: Any, *, seq: int | None, global_batch: int) -> LoadedModel:
             raise ConfigError(f"seq={seq} but the given Workload is for seq={workload.seq}: build the Workload for "
                               f"seq={seq} or pass seq=None")
         return LoadedModel(workload=workload, model_info=info, module_groups=dict(workload.meta.get("module_groups", {})))
-    if not isinstance(model, str):
-        raise ConfigError(f"model must be a spec string or a (Workload, ModelInfo) pair, got {type(model).__name__}")
     from planner import workload as wl_mod
 
-    workload, bits = wl_mod.workload_from_model(model, batch=1, seq=seq)
+    if hasattr(model, "named_parameters") and callable(model):  # an nn.Module
+        if example_inputs is None:
+            raise ConfigError(f"planning a {type(model).__name__} module needs example_inputs= (one batch of its "
+                              "positional inputs, batch first)")
+        if seq is not None:
+            raise ConfigError("seq= applies to model specs; a module is planned at its example_inputs' shape")
+        name = f"{type(model).__name__} (module)"
+        workload, bits = wl_mod.workload_from_module(model, example_inputs, name=name)
+    elif isinstance(model, str):
+        workload, bits = wl_mod.workload_from_model(model, batch=1, seq=seq)
+    else:
+        raise ConfigError(f"model must be a spec string, an nn.Module or a (Workload, ModelInfo) pair, got "
+                          f"{type(model).__name__}")
+    name = getattr(bits, "name", model)
     blocks = tuple(getattr(bits, "blocks", ()) or ())
     groups = {b.name: tuple(b.modules) for b in blocks if getattr(b, "kind", "") != "transformer"}
     groups.update(dict(workload.meta.get("module_groups", {})) if isinstance(workload.meta, dict) else {})
     flops = float((workload.flops_fwd_per_seq + workload.flops_bwd_per_seq) * global_batch)
     info = ModelInfo(
-        name=model,
+        name=name,
         fingerprint=str(getattr(bits, "fingerprint", "")),
         params=int(getattr(bits, "params", workload.params)),
         flops_per_step=flops,

@@ -1,32 +1,26 @@
-"""Collectives among 2..N spawned processes for ``autopar calibrate`` (``gloo`` on CPU, ``nccl`` with one GPU per
-rank when CUDA has enough devices): each point is the slowest rank's mean time over a timed loop after warm-up,
-each timed block after a short compute burst (collectives inside a training step run between kernels, and on a
-CPU cost more there than back to back)."""
+"""Collectives among 2..N spawned ranks for ``autopar calibrate`` (``gloo`` on CPU, ``nccl`` with one GPU per rank
+when CUDA has enough devices): each point is the slowest rank's mean time over a timed loop after warm-up, each
+timed block after a short compute burst (collectives inside a training step run between kernels, and on a CPU
+cost more there than back to back)."""
 
 from __future__ import annotations
 
 import datetime as _dt
-import socket
 import time
-import traceback
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from costmodel.calibration import COLLECTIVE_OPS, CollectivePoint
 from costmodel.errors import ProfileError
-from runtime.calibrate import CalibrationPlan, _sync, next_message, spawned
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from runtime.measure.spawn import run_ranks
+from runtime.measure.sweep import CalibrationPlan
+from runtime.measure.timing import sync
 
 
 def _make_op(op: str, nbytes: int, rank: int, world: int, device: str) -> tuple[Callable[[], Any], int]:
     """A closure running one ``op`` on ``nbytes`` (NCCL convention) and the bytes it really moves."""
-    import torch.distributed as dist
-
     numel = max(world, nbytes // 4 // world * world)
     shard = numel // world
     full = torch.ones(numel, device=device)
@@ -83,18 +77,16 @@ def _time_collective(fn: Callable[[], Any], *, device: str, iters: int, blocks: 
     training step, and the time is that loop's minus the burst-only loop's: the collective as it costs between
     compute phases, where ranks sharing cores arrive apart and wait for descheduled peers (4 gloo ranks on 2
     cores: a 7 MB all-reduce took 15 ms back to back, ~30 ms more per DDP step than without it)."""
-    import torch.distributed as dist
-
     def loop(call: bool) -> float:
         dist.barrier()
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         for _ in range(iters):
             if burst is not None:
                 burst()
             if call:
                 fn()
-        _sync(device)
+        sync(device)
         slowest = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         return float(slowest.item())
@@ -110,21 +102,18 @@ def _time_collective(fn: Callable[[], Any], *, device: str, iters: int, blocks: 
     return max(best - base, 0.05 * best)  # noise can make the difference vanish: keep a floor
 
 
-def _collective_worker(rank: int, world: int, port: int, backend: str, plan: CalibrationPlan, results: Any) -> None:
-    """One rank: time every (op, size) and send rank 0's table (slowest rank per point) to the parent."""
-    import torch.distributed as dist
-
-    torch.set_num_threads(plan.threads_per_rank)
+def _collective_rank(rank: int, world: int, backend: str, plan: CalibrationPlan, *,
+                     progress: Callable[[Any], None]) -> list[CollectivePoint]:
+    """One rank: time every (op, size); rank 0 returns the points (the slowest rank's time each) and reports each
+    as it is measured."""
     device = "cpu"
     if backend == "nccl":
         torch.cuda.set_device(rank)
         device = "cuda"
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=_dt.timedelta(seconds=120))
     try:
-        dist.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-            timeout=_dt.timedelta(seconds=120),
-        )  # fmt: skip
         burst = _burst(device) if backend == "gloo" else None
+        points = []
         for op in plan.ops:
             if op == "send_recv" and world != 2:
                 continue  # point-to-point is measured on a pair
@@ -135,38 +124,17 @@ def _collective_worker(rank: int, world: int, port: int, backend: str, plan: Cal
                 if op == "send_recv":
                     best /= 2.0
                 if rank == 0:
-                    results.put(("point", (op, world, float(real_bytes), best)))
-        if rank == 0:
-            results.put(("done", None))
-    except Exception:  # reported to the parent, which raises it
-        results.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
+                    points.append(CollectivePoint(op=op, ranks=world, nbytes=float(real_bytes), time_s=best))
+                    progress()
+        return points
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        dist.destroy_process_group()
 
 
 def measure_collectives(
     plan: CalibrationPlan, *, backend: str, world: int, progress: Callable[[], None], timeout_s: float = 300.0
 ) -> list[CollectivePoint]:
     """Spawn ``world`` ranks on this machine and time the plan's collectives among them."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_collective_worker, args=(r, world, port, backend, plan, results)) for r in range(world)]
-    with spawned(procs, threads=plan.threads_per_rank):
-        return _collect(results, procs, progress=progress, timeout_s=timeout_s)
-
-
-def _collect(results: Any, procs: list, *, progress: Callable[[], None], timeout_s: float) -> list[CollectivePoint]:
-    points: list[CollectivePoint] = []
-    deadline = time.monotonic() + timeout_s
-    while True:
-        kind, payload = next_message(results, procs, deadline=deadline, limit_s=timeout_s,
-                                     what="calibration collectives")
-        if kind == "done":
-            return points
-        op, ranks, nbytes, t = payload
-        points.append(CollectivePoint(op=op, ranks=ranks, nbytes=nbytes, time_s=t))
-        progress()
+    results = run_ranks(_collective_rank, world_size=world, args=(backend, plan), timeout_s=timeout_s,
+                        threads=plan.threads_per_rank, progress=lambda _: progress(), what="calibration collectives")
+    return results[0]

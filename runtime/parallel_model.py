@@ -1,4 +1,4 @@
-"""``ParallelModel`` (the wrapper training code talks to), ``apply_plan`` and ``auto_wrap``.
+"""``ParallelModel``: the object training code talks to once a plan is applied (``runtime.apply_plan``).
 
     pm = auto_wrap(model, example_inputs, loss_fn=loss_fn, plan="plan.json")   # under torchrun
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
@@ -17,10 +17,7 @@ rank's T / cp tokens (``runtime.context_parallel``); the loss is the mean over a
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
-import logging
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
@@ -37,21 +34,13 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 
 from costmodel.errors import ConfigError
-from planner.plan import Plan, check_plan_matches, load_plan, model_fingerprint
-from runtime.checkpointing import apply_plan_recompute
-from runtime.context_parallel import ContextParallel, apply_context_parallel, check_context_parallel
-from runtime.data_parallel import apply_data_parallel, unwrap
-from runtime.materialize import materialize
-from runtime.mesh import batch_rank_and_size, build_mesh, grad_mesh, init_distributed
-from runtime.tensor_parallel import apply_tensor_parallel
-
-log = logging.getLogger(__name__)
+from planner.plan import Plan
+from runtime.context_parallel import ContextParallel
+from runtime.data_parallel import average_gradients, unwrap
+from runtime.mesh import batch_rank_and_size, grad_mesh
+from runtime.pipeline import PipelineRunner
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def fingerprint_of(model: nn.Module) -> str:
-    return model_fingerprint((n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters())
 
 
 def logits_of(output: Any) -> torch.Tensor:
@@ -76,8 +65,10 @@ class ParallelModel:
         plan: Plan,
         mesh: DeviceMesh,
         loss_fn: LossFn | None,
-        pipeline: Any = None,
+        pipeline: PipelineRunner | None = None,
         context: ContextParallel | None = None,
+        average_grads: bool = False,
+        expert_params: frozenset[str] = frozenset(),
     ) -> None:
         self.module = module
         """The parallelized module (DDP wrapper for ZeRO 0 without TP); for pp > 1 the full model's skeleton."""
@@ -88,6 +79,11 @@ class ParallelModel:
         """``runtime.pipeline.PipelineRunner`` when pp > 1."""
         self.context = context
         """``runtime.context_parallel.ContextParallel`` when cp > 1: splits each sequence over the cp ranks."""
+        self.average_grads = average_grads
+        """True where no DDP / FSDP wrapper averages the gradients (ZeRO 0 with a pipeline or experts): ``step``
+        does it (``runtime.data_parallel.average_gradients``)."""
+        self.expert_params = expert_params
+        """Names of this rank's expert parameters (``style="expert"``), averaged over ``dp`` only."""
         self.dp_rank, self.dp_size = batch_rank_and_size(mesh)
         self._device = (
             torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
@@ -145,8 +141,13 @@ class ParallelModel:
         if self.context is not None:
             inputs, targets = self.context.shard_batch(inputs, targets)  # (B, T / cp) each: this rank's tokens
         inputs, targets = _to(inputs, self._device), targets.to(self._device)
-        if self.pipeline is not None:
-            return self.pipeline.step(inputs, targets)
+        loss = self.pipeline.step(inputs, targets) if self.pipeline is not None else self._local_step(inputs, targets)
+        if self.average_grads:
+            average_gradients(self.named_parameters(), mesh=self.mesh, expert_params=self.expert_params)
+        return loss
+
+    def _local_step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        """Without a pipeline: the micro-batches in turn (DDP syncs on the last); the loss averaged over dp x cp."""
         n_mb = self._plan.schedule.num_microbatches
         rows = targets.shape[0]
         if rows % n_mb:
@@ -212,148 +213,3 @@ def _split(inputs: Any, n: int) -> list[Any]:
         return list(inputs.chunk(n))
     parts = [x.chunk(n) for x in inputs]
     return [tuple(p[i] for p in parts) for i in range(n)]
-
-
-def apply_plan(
-    model: nn.Module,
-    plan: Plan,
-    *,
-    mesh: DeviceMesh | None = None,
-    loss_fn: LossFn | None = None,
-    seed: int = 0,
-) -> ParallelModel:
-    """Apply ``plan`` to ``model`` on the running process group: TP/SP, then CP (attention over the cp ranks), then
-    DP/ZeRO over dp x cp (or the pipeline with per-chunk TP/DP), then materialise a meta-device model as local
-    shards (seeded per module FQN)."""
-    info = init_distributed()
-    check_plan_matches(plan, fingerprint=fingerprint_of(model), world_size=dist.get_world_size())
-    d = plan.degrees
-    check_context_parallel(plan)  # cp runs with tp and dp; refused with pp or ep
-    if d.ep > 1:
-        from runtime.expert_parallel import apply_expert_plan  # experts over ep, all-to-all dispatch
-
-        return apply_expert_plan(model, plan, loss_fn=loss_fn, seed=seed)
-    mesh = mesh if mesh is not None else build_mesh(plan, device_type=info.device_type)
-    device = torch.device("cuda", torch.cuda.current_device()) if info.device_type == "cuda" else torch.device("cpu")
-    is_meta = any(p.is_meta for p in model.parameters())
-    if not is_meta:
-        model.to(device)
-    if d.pp > 1:
-        return _apply_pipelined(model, plan, mesh=mesh, loss_fn=loss_fn, seed=seed, device=device, is_meta=is_meta)
-    apply_plan_recompute(model, plan=plan)
-    module = apply_tensor_parallel(model, plan=plan, mesh=mesh)
-    context = apply_context_parallel(module, plan=plan, mesh=mesh)
-    dp = grad_mesh(mesh).size()  # gradients are averaged over dp x cp
-    uses_ddp = dp > 1 and plan.zero_stage == 0 and not any(isinstance(p, DTensor) for p in module.parameters())
-    if is_meta and uses_ddp:
-        materialize(module, device=device, seed=seed)
-    module = apply_data_parallel(module, plan=plan, mesh=mesh)
-    if is_meta and not uses_ddp:
-        materialize(unwrap(module), device=device, seed=seed)
-    return ParallelModel(module=module, plan=plan, mesh=mesh, loss_fn=loss_fn, context=context)
-
-
-def _apply_pipelined(
-    model: nn.Module, plan: Plan, *, mesh: DeviceMesh, loss_fn: LossFn | None, seed: int, device: torch.device,
-    is_meta: bool,
-) -> ParallelModel:
-    from runtime.pipeline import build_pipeline
-
-    if loss_fn is None:
-        raise ConfigError("a pipelined plan (pp > 1) needs loss_fn: the last stage computes the loss")
-    fsdp = plan.zero_stage > 0 and batch_rank_and_size(mesh)[1] > 1
-
-    def wrap_chunk(chunk: nn.Module) -> nn.Module:
-        # stage outputs cross the pipeline as plain tensors: gather logits instead of loss-parallel DTensors
-        chunk = apply_tensor_parallel(chunk, plan=plan, mesh=mesh, strict=False, loss_parallel_ok=False)
-        if fsdp:
-            chunk = apply_data_parallel(chunk, plan=plan, mesh=mesh)
-        if is_meta:
-            materialize(chunk, device=device, seed=seed, init_owner=model)
-        return chunk
-
-    runner = build_pipeline(
-        model, plan=plan, mesh=mesh, loss_fn=loss_fn, sync_dp_grads=not fsdp, wrap_chunk=wrap_chunk
-    )
-    return ParallelModel(module=model, plan=plan, mesh=mesh, loss_fn=loss_fn, pipeline=runner)
-
-
-def auto_wrap(
-    model: nn.Module,
-    example_inputs: Any,
-    *,
-    loss_fn: LossFn,
-    plan: Plan | str | Path | None = None,
-    cluster: Any = None,
-    seed: int = 0,
-) -> ParallelModel:
-    """Load (path), take (Plan) or make (None: ``planner.plan_model`` for ``cluster``, default this machine with
-    the running world size) a plan on rank 0, broadcast it so every rank applies the same one, check it belongs to
-    this model and world size, and apply it. ``example_inputs``: one global batch (its shape sets the batch and
-    sequence length the planner plans for)."""
-    info = init_distributed()
-    payload: list[Any] = [None]
-    if info.rank == 0:
-        try:
-            resolved = _resolve_plan(model, example_inputs, plan=plan, cluster=cluster, world_size=info.world_size)
-            payload = [("ok", resolved.to_dict())]
-        except Exception as e:  # noqa: BLE001 - sent to every rank, re-raised there with its type
-            payload = [("err", type(e).__name__, str(e))]
-    if info.world_size > 1:
-        dist.broadcast_object_list(payload, src=0)
-    if payload[0][0] == "err":
-        _, kind, msg = payload[0]
-        err_type = _error_type(kind)
-        text = msg if err_type is not RuntimeError else f"planning on rank 0 raised {kind}: {msg}"
-        raise err_type(text if info.rank == 0 else f"(from rank 0) {text}")
-    agreed = Plan.from_dict(payload[0][1])
-    check_plan_matches(agreed, fingerprint=fingerprint_of(model), world_size=info.world_size)
-    log.info("auto_wrap: plan degrees %s, zero %d, schedule %s", agreed.degrees, agreed.zero_stage, agreed.schedule)
-    return apply_plan(model, agreed, loss_fn=loss_fn, seed=seed)
-
-
-def _error_type(name: str) -> type[Exception]:
-    import costmodel.errors as errors
-
-    found = getattr(errors, name, None)
-    return found if isinstance(found, type) and issubclass(found, errors.AutoparError) else RuntimeError
-
-
-def _resolve_plan(model: nn.Module, example_inputs: Any, *, plan: Any, cluster: Any, world_size: int) -> Plan:
-    if isinstance(plan, Plan):
-        return plan
-    if isinstance(plan, (str, Path)):
-        return load_plan(plan)
-    if plan is not None:
-        raise ConfigError(f"plan= must be a Plan, a plan file path or None, got {type(plan).__name__}")
-    return _plan_for(model, example_inputs, cluster=cluster, world_size=world_size)
-
-
-def _plan_for(model: nn.Module, example_inputs: Any, *, cluster: Any, world_size: int) -> Plan:
-    """Plan with the planner's public entry. The model goes to the planner as its HF config.json (the planner
-    rebuilds the same class from it, with the same parameter names: the fingerprint check confirms)."""
-    import tempfile
-
-    try:
-        from planner import plan_model
-    except ImportError as e:
-        raise ConfigError(f"planner.plan_model is not available ({e}); pass plan=PATH from `autopar plan`") from None
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "to_json_file"):
-        raise ConfigError(
-            f"auto_wrap can plan only Hugging Face models (with .config); for {type(model).__name__} "
-            "run `autopar plan` and pass plan=PATH"
-        )
-    ids = example_inputs[0] if isinstance(example_inputs, (tuple, list)) else example_inputs
-    if not isinstance(cluster, (str, type(None))):
-        cluster_obj = cluster
-    else:
-        from costmodel.profiles import resolve_cluster
-
-        cluster_obj = resolve_cluster(cluster or "local", nodes=1, gpus_per_node=world_size)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "config.json"
-        config.to_json_file(str(path))
-        plan = plan_model(str(path), cluster_obj, global_batch=int(ids.shape[0]), seq=int(ids.shape[1]))
-    name = f"{type(model).__name__} (auto_wrap)"  # not the temporary config path
-    return dataclasses.replace(plan, model=dataclasses.replace(plan.model, name=name))

@@ -1,15 +1,16 @@
 """Measure a plan on this machine: a few training steps on ``world_size`` local ranks, step time and peak memory.
 
 ``measure_plan(plan, model_factory=..., steps=, warmup=)`` spawns ``plan.degrees.world_size`` processes (gloo on
-CPU, one process per rank as ``torchrun`` would start them), applies the plan with ``runtime.apply_plan``, runs
-``warmup + steps`` optimizer steps (fused AdamW, random token batches of ``plan.global_batch`` x ``plan.model.seq_len``)
-and returns one ``RankMeasurement`` per rank.
+CPU, one process per rank as ``torchrun`` would start them: ``runtime.measure.spawn``), applies the plan with
+``runtime.apply_plan``, runs ``warmup + steps`` optimizer steps (fused AdamW, random token batches of
+``plan.global_batch`` x ``plan.model.seq_len``) and returns one ``RankMeasurement`` per rank.
 
 What is timed: each step starts after a barrier (so a rank's time includes waiting for the slowest rank, as a
 synchronous step does) and ends after ``optimizer.step()``; ``step_time_s`` is the median over the measured steps.
 ``compute_dtype="bf16"`` (what the planner traces) runs under ``torch.autocast(dtype=bfloat16)`` with fp32
 parameters (mixed precision, the memory model's 16 bytes per parameter with Adam); ``"fp32"`` runs without
-autocast (``autopar validate`` picks it on CPUs without native bf16, and prices fp32 bytes).
+autocast (``compute_dtype(calibration, "auto")`` picks it on CPUs without native bf16, whose emulated bf16 runs
+30-70x slower than fp32; the plans are then priced for fp32 bytes).
 ``calibrate_after=True``: the ranks then run the quick compute calibration sweep together, so the plan can be
 priced with the machine as it was during its steps.
 
@@ -22,22 +23,26 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
-import queue
 import resource
-import socket
 import statistics
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from costmodel.calibration import Calibration
 from costmodel.errors import ConfigError
 from planner.plan import Plan
+from runtime.apply import apply_plan
+from runtime.measure.compute import compute_sweep
+from runtime.measure.spawn import run_ranks
+from runtime.measure.sweep import quick_plan
+from runtime.measure.timing import DistBarrier
+from runtime.mesh import init_distributed
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +59,7 @@ class RankMeasurement:
     losses: tuple[float, ...]
     compute_sweep: tuple = ()
     """With ``calibrate_after``: this rank's (matmul, memory-bound, dispatch) calibration points, measured right
-    after the steps with every rank at once (``runtime.calibrate.compute_sweep``)."""
+    after the steps with every rank at once (``runtime.measure.compute.compute_sweep``)."""
 
     @property
     def model_rss_bytes(self) -> int:
@@ -109,11 +114,35 @@ def _optimizer(params: Any) -> _Optimizers:
     return _Optimizers([torch.optim.AdamW(ps, lr=1e-4, fused=True) for ps in by_type.values()])
 
 
-def _rank_body(rank: int, plan: Plan, model_factory: Callable[[], nn.Module], cfg: dict[str, Any]) -> RankMeasurement:
-    import torch.distributed as dist
+def compute_dtype(cal: Calibration | None, requested: str) -> str:
+    """``requested`` unless ``auto``: bf16 when ``cal`` has a bf16 matmul fit at least as fast as its fp32 one
+    (native bf16), else fp32."""
+    if requested != "auto":
+        return requested
+    if cal is None:
+        return "fp32"
+    bf16, fp32 = cal.matmul_fit("bf16"), cal.matmul_fit("fp32")
+    if bf16 is None:
+        return "fp32"
+    return "bf16" if fp32 is None or bf16.peak_tflops >= fp32.peak_tflops else "fp32"
 
-    from runtime.wrap import apply_plan
 
+def step_times_s(got: list[RankMeasurement]) -> list[float]:
+    """Per measured step, the slowest rank's time (steps end together: every rank waits for the slowest)."""
+    return [max(steps) for steps in zip(*(m.step_times_s for m in got))]
+
+
+def _rank(rank: int, world: int, plan: Plan, model_factory: Callable[[], nn.Module],
+          cfg: dict[str, Any]) -> RankMeasurement:
+    """One rank of ``measure_plan``: its process group, the plan applied, the steps timed."""
+    init_distributed(backend="gloo")
+    try:
+        return _measure(rank, plan, model_factory, cfg)
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure(rank: int, plan: Plan, model_factory: Callable[[], nn.Module], cfg: dict[str, Any]) -> RankMeasurement:
     base = _rss_bytes()
     model = model_factory()
     pm = apply_plan(model, plan, loss_fn=lm_loss, seed=0)
@@ -138,45 +167,15 @@ def _rank_body(rank: int, plan: Plan, model_factory: Callable[[], nn.Module], cf
     dist.barrier()
     peak = _peak_rss_bytes()
     sweep: tuple = ()
-    if cfg.get("calibrate_after"):
-        from runtime.calibrate import DistBarrier, compute_sweep, quick_plan
-
+    if cfg["calibrate_after"]:
         del pm, opt, model
         sweep = compute_sweep(quick_plan(ranks=dist.get_world_size(), cuda=False),
-                              dispatch_model=cfg.get("dispatch_model"), barrier=DistBarrier())
+                              dispatch_model=cfg["dispatch_model"], barrier=DistBarrier())
         dist.barrier()
     return RankMeasurement(
         rank=rank, step_times_s=tuple(times), step_time_s=statistics.median(times),
         peak_rss_bytes=peak, base_rss_bytes=base, losses=tuple(losses), compute_sweep=sweep,
     )
-
-
-def _child(rank: int, world: int, port: int, threads: int, payload: bytes, out: Any) -> None:
-    os.environ.update({
-        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port), "OMP_NUM_THREADS": str(threads),
-    })
-    try:
-        import torch.distributed as dist
-
-        from runtime.mesh import init_distributed
-
-        torch.set_num_threads(threads)
-        init_distributed(backend="gloo")
-        try:
-            plan, factory, cfg = pickle.loads(payload)
-            out.put((rank, "ok", pickle.dumps(_rank_body(rank, plan, factory, cfg))))
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        out.put((rank, "err", traceback.format_exc()))
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def measure_plan(
@@ -196,46 +195,14 @@ def measure_plan(
     ``model_factory()`` builds the (meta-device) model in each rank process; it must pickle by name (a module-level
     function or a ``functools.partial`` of one). ``calibrate_after``: the ranks then take the quick compute
     calibration sweep together (``dispatch_model`` builds its decoder; ~15 s), so the machine's state at the
-    steps can price them (``runtime.calibrate.with_compute``).
+    steps can price them (``runtime.measure.compute.with_compute``). A rank that fails raises
+    ``runtime.measure.spawn.RankError`` with its traceback.
     """
     if steps < 1 or warmup < 0:
         raise ConfigError(f"steps={steps} must be >= 1 and warmup={warmup} >= 0")
     if compute_dtype not in ("bf16", "fp32"):
         raise ConfigError(f"compute_dtype={compute_dtype!r}; choose bf16 (the planner's) or fp32")
-    world = plan.degrees.world_size
-    payload = pickle.dumps((plan, model_factory, {"steps": steps, "warmup": warmup, "compute_dtype": compute_dtype,
-                                                  "calibrate_after": calibrate_after, "dispatch_model": dispatch_model}))
-    ctx = torch.multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_child, args=(r, world, port, threads_per_rank, payload, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    got: dict[int, RankMeasurement] = {}
-    errors: dict[int, str] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(got) + len(errors) < world and time.monotonic() < deadline:
-            try:
-                rank, kind, data = out.get(timeout=0.5)
-            except queue.Empty:
-                if any(p.exitcode not in (None, 0) for p in procs) and not errors:
-                    deadline = min(deadline, time.monotonic() + 5.0)
-                continue
-            if kind == "ok":
-                got[rank] = pickle.loads(data)
-            else:
-                errors[rank] = data
-                deadline = min(deadline, time.monotonic() + 5.0)
-    finally:
-        for p in procs:
-            p.join(timeout=2.0)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=2.0)
-    if errors:
-        first = min(errors)
-        raise ConfigError(f"validate: {len(errors)} of {world} ranks failed; rank {first}:\n{errors[first]}")
-    if len(got) < world:
-        raise ConfigError(f"validate: ranks {sorted(set(range(world)) - set(got))} did not finish in {timeout_s:.0f} s")
-    return [got[r] for r in range(world)]
+    cfg = {"steps": steps, "warmup": warmup, "compute_dtype": compute_dtype, "calibrate_after": calibrate_after,
+           "dispatch_model": dispatch_model}
+    return run_ranks(_rank, world_size=plan.degrees.world_size, args=(plan, model_factory, cfg), timeout_s=timeout_s,
+                     threads=threads_per_rank, what="validate")
