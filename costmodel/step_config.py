@@ -35,6 +35,9 @@ class PrecisionConstants:
     param_gather_bytes: float | None = None
     """Bytes per parameter the data-parallel parameter all-gather moves when the target gathers quantized
     weights (None: the target's ``param_gather_bytes``)."""
+    requires: str = ""
+    """A rate the accelerator must also have (``fp4``: the fifth-generation tensor cores that scale MX blocks in
+    hardware), besides ``gemm_dtype``'s."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -58,8 +58,8 @@ CONSTANT_TABLES: dict[str, dict[str, type]] = {
     "comm": {"grad_reduce_bytes": float, "param_gather_bytes": float},
 }
 _CONSTANT_TYPES = {k: t for table in CONSTANT_TABLES.values() for k, t in table.items()}
-_PRECISION_KEYS = ("gemm_dtype", "cast_bytes_per_element", "weight_bytes_per_param", "param_gather_bytes",
-                   "megatron_args", "source")
+_PRECISION_KEYS = ("gemm_dtype", "requires", "cast_bytes_per_element", "weight_bytes_per_param",
+                   "param_gather_bytes", "megatron_args", "source")
 GEMM_DTYPES = ("bf16", "fp8", "fp4")
 _COMPARE: dict[str, Callable[[int, int], bool]] = {
     ">=": operator.ge, "<=": operator.le, "!=": operator.ne, ">": operator.gt, "<": operator.lt,
@@ -231,7 +231,9 @@ class Target:
     def precisions_on(self, cluster: Any) -> tuple[str, ...]:
         """The precisions this target trains with whose GEMM rate every accelerator of ``cluster`` has."""
         gpus = [g.node.gpu for g in cluster.groups]
-        return tuple(p.name for p in self.constants.precisions if all(_has_rate(gpu, p.gemm_dtype) for gpu in gpus))
+        return tuple(p.name for p in self.constants.precisions
+                     if all(_has_rate(gpu, p.gemm_dtype) and (not p.requires or _has_rate(gpu, p.requires))
+                            for gpu in gpus))
 
     def check_precision(self, precision: str, cluster: Any) -> None:
         """ConfigError unless the target trains with ``precision`` and every accelerator of ``cluster`` has its
@@ -240,7 +242,8 @@ class Target:
             raise ConfigError(f"target {self.spec} has no {precision} training; it trains with "
                               f"{', '.join(self.precisions)}: choose --precision {' or '.join(self.precisions)}")
         if precision not in self.precisions_on(cluster):
-            gemm = self.constants.precision(precision).gemm_dtype
+            p = self.constants.precision(precision)
+            gemm = p.gemm_dtype if not all(_has_rate(g.node.gpu, p.gemm_dtype) for g in cluster.groups) else p.requires
             gpus = sorted({g.node.gpu.name for g in cluster.groups if not _has_rate(g.node.gpu, gemm)})
             raise ConfigError(f"precision {precision} needs {gemm} tensor cores, which {', '.join(gpus)} lack; "
                               f"on this cluster choose --precision {' or '.join(self.precisions_on(cluster))}")
@@ -368,8 +371,11 @@ def _precisions(data: Any, path: str, sources: dict[str, str]
         nums = {k: _constant(entry.get(k, 0.0), float, path, f"{where}.{k}")
                 for k in ("cast_bytes_per_element", "weight_bytes_per_param")}
         gather = entry.get("param_gather_bytes")
+        requires = entry.get("requires", "")
+        if requires not in ("", *GEMM_DTYPES):
+            raise ProfileError(f"{path}: [{where}] requires = {requires!r}; choose one of {', '.join(GEMM_DTYPES)}")
         out.append(PrecisionConstants(
-            name=name, gemm_dtype=gemm, **nums,
+            name=name, gemm_dtype=gemm, requires=requires, **nums,
             param_gather_bytes=None if gather is None else _constant(gather, float, path, f"{where}.param_gather_bytes")))
         sources[where] = _string(entry, "source", path, where)
         if "megatron_args" in entry:

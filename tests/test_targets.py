@@ -163,3 +163,213 @@ def test_bad_target_files_name_the_key(tmp_path):
             load_target(name, directory=tmp_path)
     with pytest.raises(ProfileError, match="has no option 'x'; options: none"):
         load_target("ok:x", directory=tmp_path)
+
+
+# --- constants: every target prices with its own file, the same way everywhere ---------------------------------
+
+
+def test_every_constant_and_precision_has_a_source():
+    from costmodel.step_config import StepConstants
+
+    fields = set(StepConstants.__dataclass_fields__) - {"precisions"}
+    for name in TARGET_NAMES:
+        t = load_target(name)
+        assert {k for k, _ in t.sources if not k.startswith("precision.")} == fields
+        assert all(src.strip() for _, src in t.sources)
+        assert "bf16" in t.precisions and {f"precision.{p}" for p in t.precisions} <= dict(t.sources).keys()
+    # the targets differ where their frameworks do
+    ap, meg, ds = (load_target(n).constants for n in ("autopar", "megatron", "deepspeed"))
+    assert not ap.tp_fused_input_projections and meg.tp_fused_input_projections
+    assert ap.zero3_collectives_per_layer == 1 and ds.zero3_collectives_per_layer == 6
+    assert meg.tp_comm_exposed < 1.0 == ap.tp_comm_exposed
+    assert ap.precisions == (ap.precision("bf16"),) and meg.precision("fp8").param_gather_bytes == 1.0
+
+
+def test_options_override_named_constants_only():
+    base, sc21 = load_target("megatron"), load_target("megatron:sc21")
+    assert sc21.spec == "megatron:sc21" and base.spec == "megatron"
+    changed = {k for k in base.constants.__dataclass_fields__
+               if getattr(base.constants, k) != getattr(sc21.constants, k)}
+    assert changed == {k for k, _ in sc21.options[0].constants if getattr(base.constants, k) != dict(
+        sc21.options[0].constants)[k]}
+    assert sc21.constants.tp_comm_exposed == 1.0 and sc21.constants.sustained_compute == 0.85
+    with pytest.raises(ProfileError, match="no option 'x'; options: sc21"):
+        load_target("megatron:x")
+
+
+def test_precisions_need_the_tensor_cores():
+    from costmodel.errors import ConfigError
+    from costmodel.profiles import make_cluster
+
+    meg = load_target("megatron")
+    assert meg.precisions_on(make_cluster("dgx-a100-80gb", 1)) == ("bf16",)
+    assert meg.precisions_on(make_cluster("dgx-h100", 1)) == ("bf16", "fp8", "fp8-cs")
+    assert set(meg.precisions_on(make_cluster("dgx-b200", 1))) == set(meg.precisions)
+    with pytest.raises(ConfigError, match="needs fp4 tensor cores, which H100-SXM5-80GB lack"):
+        meg.check_precision("nvfp4", make_cluster("dgx-h100", 1))
+    with pytest.raises(ConfigError, match="has no fp8 training; it trains with bf16"):
+        load_target("autopar").check_precision("fp8", make_cluster("dgx-h100", 1))
+    assert any("--precision bf16" in m for m in load_target("deepspeed").refusals(cfg(precision="fp8")))
+
+
+def test_plan_estimate_and_fidelity_price_a_case_identically():
+    """The torchtitan H200 row of the development set: the fidelity row, ``estimate_step`` with the target and
+    ``plan_model`` pinned to the row's configuration give one step time."""
+    from benchmarks.devset import load_devset
+    from benchmarks.devset_runs import dev_run, price_devset
+    from costmodel.profiles import make_cluster
+    from costmodel.step import estimate_step
+    from planner.search.driver import plan_model
+    from planner.workload import workload_from_model
+
+    cases = load_devset()
+    case = next(c for c in cases if c.id == "torchtitan-h200-L46")
+    (row,) = price_devset([case])
+    run = dev_run(case, cases)
+    cluster = make_cluster(run.node, run.nodes, gpus_per_node=run.gpus_per_node)
+    w, _ = workload_from_model(run.spec, seq=case.seq_len)
+    est = estimate_step(w, run.config, cluster, target=load_target("torchtitan"))
+    assert row["step_time_s"] == pytest.approx(est.step_time_s, rel=1e-12)
+    c = run.config
+    plan = plan_model(run.spec, cluster, global_batch=c.global_batch, seq=case.seq_len, target="torchtitan",
+                      precision=c.precision, fix=f"tp={c.tp},pp={c.pp},dp={c.dp},mb={c.microbatch},"
+                                                 f"recompute={c.recompute},zero={c.zero_stage},sp=false")
+    assert (plan.target, plan.precision) == ("torchtitan", "fp8-cs")
+    assert plan.prediction.step_time_s == pytest.approx(est.step_time_s, rel=1e-9)
+    other = estimate_step(w, run.config, cluster, target=load_target("megatron"))  # another target, another figure
+    assert abs(other.step_time_s / est.step_time_s - 1) > 0.01
+
+
+def test_the_search_never_proposes_what_the_target_refuses():
+    from costmodel.analytic import llama_workload
+    from costmodel.profiles import make_cluster
+    from planner.export_check import config_of
+    from planner.plan import ModelInfo
+    from planner.search.driver import plan_model, search
+
+    wl = llama_workload(layers=8, hidden=1024, ffn_hidden=2816, heads=16, kv_heads=4, vocab=32000, seq=2048)
+    cl = make_cluster("dgx-a100-80gb", 2)
+    free = search(workload=wl, cluster=cl, global_batch=64)
+    piped = search(workload=wl, cluster=cl, global_batch=64, refuse=lambda c: ["pipelines only"] if c.pp == 1 else [])
+    assert free.best.structure.pp == 1  # the unrestricted search takes no pipeline here, the refusing one must
+    assert piped.best.structure.pp > 1 and all(a.structure.pp > 1 for a in piped.alternatives)
+    assert piped.best.step_time_s >= free.best.step_time_s
+    info = ModelInfo(name=wl.name, fingerprint="sha256:t", params=wl.params, flops_per_step=0.0, num_layers=8,
+                     seq_len=2048)
+    for name, fix in (("deepspeed", "zero=3"), ("megatron", "schedule=zero-bubble"), ("torchtitan", "v=1")):
+        t = load_target(name)
+        try:
+            plan = plan_model((wl, info), cl, global_batch=64, target=name, fix=fix)
+        except Exception as e:  # everything the fix leaves is refused: the planner says so
+            assert "accepted no configuration" in str(e) or "fits in no configuration" in str(e), (name, e)
+            continue
+        assert plan.target == name
+        assert t.refusals(config_of(plan), glu=True) == [], (name, config_of(plan).summary())
+
+
+# --- precision: GEMM rates, casts, memory and the gather, by hand -----------------------------------------------
+
+
+def test_fp8_gemm_time_by_hand():
+    """One (m, n, k) linear on an H100 under Megatron's constants: bf16 runs at the bf16 peak times the shape's
+    efficiency over sustained_compute; fp8 at the fp8 peak, plus the cast of its (m, k) input at the elementwise
+    memory rate (forward) or of its (m, n) output gradient (backward)."""
+    from costmodel.compute import DEFAULT_COMPUTE_EFFICIENCY as eff, matmul_efficiency
+    from costmodel.profiles import make_cluster
+    from planner.search.block_plan import CostOptions, cluster_cost_context
+    from planner.search.strategies import LayerOp, MeshShape, candidates
+
+    cluster = make_cluster("dgx-h100", 1)
+    gpu = cluster.groups[0].node.gpu
+    k = load_target("megatron").constants
+    m, n, kk = 8192, 4096, 4096
+    op = LayerOp(name="fc", kind="linear", inputs=("input",), modules=("fc",), flops_fwd=2.0 * m * n * kk,
+                 flops_bwd=4.0 * m * n * kk, bytes_fwd=0.0, out_bytes=2.0 * m * n, params=n * kk,
+                 shard_dims=(n, kk), op_class="matmul", mnk=(m, n, kk))
+    mesh = MeshShape(tp=1)
+    s = next(c for c in candidates(op, mesh) if c.work_fraction == 1.0)
+    times = {}
+    for p in ("bf16", "fp8"):
+        prec = k.precision(p)
+        opts = CostOptions(sustained_compute=k.sustained_compute, gemm_dtype=prec.gemm_dtype,
+                           cast_bytes=prec.cast_bytes_per_element)
+        ctx = cluster_cost_context(cluster, mesh=mesh, sustained_compute=k.sustained_compute, cost=opts)
+        times[p] = (ctx.op_time_s(op, s, op.flops_fwd, 0.0), ctx.op_time_s(op, s, op.flops_bwd, 0.0))
+    mem_rate = gpu.hbm_gbps * 1e9 * eff.mem_elementwise
+    for flops, cast_elems, i in ((op.flops_fwd, m * kk, 0), (op.flops_bwd, m * n, 1)):
+        bf16 = flops / (gpu.tflops("bf16") * 1e12 * matmul_efficiency(m, n, kk, gpu, dtype="bf16")) / k.sustained_compute
+        fp8 = flops / (gpu.tflops("fp8") * 1e12 * matmul_efficiency(m, n, kk, gpu, dtype="fp8")) / k.sustained_compute
+        cast = k.precision("fp8").cast_bytes_per_element * cast_elems / mem_rate
+        assert times["bf16"][i] == pytest.approx(bf16, rel=1e-12)
+        assert times["fp8"][i] == pytest.approx(fp8 + cast, rel=1e-12)
+    assert times["fp8"][0] < 0.75 * times["bf16"][0]  # fp8 pays off on a GEMM this size, casts included
+
+
+def test_precision_moves_weight_memory_and_the_parameter_gather_by_hand():
+    """Megatron's distributed optimizer (6 + 12/d bytes per parameter) plus the precision's weight copies
+    (nvfp4: 1.125 bytes per parameter, replicated); the parameter all-gather moves 2 bytes per parameter in bf16,
+    1 with fp8 parameters; gradients are reduced in fp32 (4) either way."""
+    from costmodel.analytic import llama_workload
+    from costmodel.profiles import make_cluster
+    from costmodel.step import dp_bytes, dp_collectives, estimate_step
+
+    meg = load_target("megatron")
+    w = llama_workload(layers=4, hidden=1024, ffn_hidden=2816, heads=16, kv_heads=4, vocab=32000, seq=1024)
+    cluster = make_cluster("dgx-b200", 1)
+    base = dict(tp=1, pp=1, dp=8, microbatch=1, global_batch=8, zero_stage=1)
+    weights = {p: estimate_step(w, ParallelConfig(**base, precision=p), cluster, target=meg).memory_breakdown_gb[
+        "weights"] for p in ("bf16", "nvfp4")}
+    assert weights["bf16"] == pytest.approx(w.params * (2 + 4 / 8) / 1e9, rel=1e-9)
+    assert weights["nvfp4"] - weights["bf16"] == pytest.approx(w.params * 1.125 / 1e9, rel=1e-9)
+    assert dp_bytes(w, ParallelConfig(**base), meg.constants) == (4.0, 2.0)
+    assert dp_bytes(w, ParallelConfig(**base, precision="fp8"), meg.constants) == (4.0, 1.0)
+    got = {op: nbytes for _, op, nbytes, _ in dp_collectives(params=1e9, expert_params=0.0, bytes_per_param=4.0,
+                                                             gather_bytes_per_param=1.0, m=1, k=meg.constants,
+                                                             zero_stage=1, recompute="none", layers=4)}
+    assert got == {"reduce_scatter": 4e9, "all_gather": 1e9}
+
+
+# --- the command line ---------------------------------------------------------------------------------------
+
+TINY = "llama:layers=2,hidden=256,ffn=512,heads=4,kv_heads=2,vocab=1000,seq=256"
+
+
+def test_plan_cli_records_target_and_precision(tmp_path, capsys):
+    from cli.main import main
+    from planner.plan import load_plan
+
+    out = tmp_path / "p.json"
+    rc = main(["plan", "--model", TINY, "--cluster", "dgx-h100", "--global-batch", "16", "--target", "megatron",
+               "--precision", "fp8", "--fix", "tp=2,pp=1,sp=true", "--out", str(out)])
+    assert rc == 0
+    assert "target      megatron, precision fp8" in capsys.readouterr().out
+    plan = load_plan(out)
+    assert (plan.target, plan.precision) == ("megatron", "fp8")
+    from planner.export import export_plan
+
+    flags = export_plan(plan, "megatron").text.split()
+    for flag, value in (("--fp8-format", "hybrid"), ("--fp8-recipe", "delayed")):
+        assert flags[flags.index(flag) + 1] == value
+    assert {"--bf16", "--fp8-param-gather", "--tp-comm-overlap", "--sequence-parallel"} <= set(flags)
+    with pytest.raises(Exception, match="re-plan with --target torchtitan"):
+        export_plan(plan, "torchtitan")
+    rc = main(["plan", "--model", TINY, "--cluster", "dgx-a100-80gb", "--global-batch", "16", "--target",
+               "megatron", "--precision", "fp8"])
+    assert rc != 0 and "needs fp8 tensor cores, which A100-SXM4-80GB lack" in capsys.readouterr().err
+
+
+def test_estimate_cli_prices_for_the_target(capsys):
+    import json
+
+    from cli.main import main
+
+    args = ["estimate", "--model", TINY, "--cluster", "dgx-h100", "--tp", "2", "--global-batch", "16",
+            "--microbatch", "1", "--zero", "3", "--pp", "2", "--json"]
+    assert main(args + ["--target", "deepspeed"]) == 0
+    captured = capsys.readouterr()
+    d = json.loads(captured.out)
+    assert d["target"] == "deepspeed" and any("ZeRO-3 with pipeline parallelism" in r for r in d["refusals"])
+    assert "deepspeed cannot run this configuration" in captured.err
+    assert main(args + ["--target", "megatron", "--precision", "fp8-cs"]) == 0
+    m = json.loads(capsys.readouterr().out)
+    assert m["config"]["precision"] == "fp8-cs" and m["step_time_s"] != d["step_time_s"]
