@@ -330,7 +330,8 @@ def _constant(value: Any, kind: type, path: str, where: str) -> Any:
     else:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
     if not ok:
-        raise ProfileError(f"{path}: [{where}] = {value!r} must be {'a number >= 0' if kind is float else kind.__name__}")
+        wanted = "a number >= 0" if kind is float else kind.__name__
+        raise ProfileError(f"{path}: [{where}] = {value!r} must be {wanted}")
     return float(value) if kind is float else value
 
 
@@ -376,7 +377,8 @@ def _precisions(data: Any, path: str, sources: dict[str, str]
             raise ProfileError(f"{path}: [{where}] requires = {requires!r}; choose one of {', '.join(GEMM_DTYPES)}")
         out.append(PrecisionConstants(
             name=name, gemm_dtype=gemm, requires=requires, **nums,
-            param_gather_bytes=None if gather is None else _constant(gather, float, path, f"{where}.param_gather_bytes")))
+            param_gather_bytes=None if gather is None else _constant(gather, float, path,
+                                                                      f"{where}.param_gather_bytes")))
         sources[where] = _string(entry, "source", path, where)
         if "megatron_args" in entry:
             args.append((name, _string(entry, "megatron_args", path, where) if entry["megatron_args"] else ""))

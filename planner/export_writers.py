@@ -3,7 +3,8 @@ name, notes)``, the notes saying what runs differently there than the plan price
 
 - Megatron-LM: a ``torchrun ... pretrain_gpt.py`` script with the model shape, the parallel layout, batch,
   recomputation, ZeRO and overlap flags, the precision's flags (``--fp8-format hybrid --fp8-recipe ...``,
-  ``--fp4-recipe nvfp4``; profiles/targets/megatron.toml) and ``--tp-comm-overlap`` when the plan priced it (every flag is one of ``megatron/training/arguments.py``'s; the test
+  ``--fp4-recipe nvfp4``; profiles/targets/megatron.toml) and ``--tp-comm-overlap`` when the plan priced it
+  (every flag is one of ``megatron/training/arguments.py``'s; the test
   checks them against ``tests/data/megatron_arguments_flags.txt``).
 - torchtitan 0.3.0: a config-registry module (``--module <file> --config autopar_job``) that starts from the
   llama3 registry job and sets the model shape, parallelism, batch and activation checkpointing.

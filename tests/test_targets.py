@@ -147,9 +147,10 @@ def test_bad_target_files_name_the_key(tmp_path):
         "nokernels": (consts.replace("[kernels]", "[kernel]"), "unknown key 'kernel'"),
         "unknownconst": (consts.replace("[kernels]\n", "[kernels]\ngemm_efficiency = { value = 0.7, source = 's' }\n"),
                          "unknown key 'gemm_efficiency'"),
-        "nosource": (consts.replace("sustained_compute = { value = 0.85, source", "sustained_compute = { value = 0.85, why"),
-                     "unknown key 'why'"),
-        "missing": (consts.replace("overlap_slowdown = {", "#overlap_slowdown = {"), "overlap.overlap_slowdown] missing"),
+        "nosource": (consts.replace("sustained_compute = { value = 0.85, source",
+                                    "sustained_compute = { value = 0.85, why"), "unknown key 'why'"),
+        "missing": (consts.replace("overlap_slowdown = {", "#overlap_slowdown = {"),
+                    "overlap.overlap_slowdown] missing"),
         "type": (consts.replace("zero3_flat_nic = { value = true", "zero3_flat_nic = { value = 1"), "must be bool"),
         "precision": (consts + '[precision.fp6]\ngemm_dtype = "fp8"\nsource = "s"\n', "unknown precision 'fp6'"),
         "gemm": (consts + '[precision.fp8]\ngemm_dtype = "int8"\nsource = "s"\n', "gemm_dtype = 'int8'"),
@@ -297,8 +298,9 @@ def test_fp8_gemm_time_by_hand():
         times[p] = (ctx.op_time_s(op, s, op.flops_fwd, 0.0), ctx.op_time_s(op, s, op.flops_bwd, 0.0))
     mem_rate = gpu.hbm_gbps * 1e9 * eff.mem_elementwise
     for flops, cast_elems, i in ((op.flops_fwd, m * kk, 0), (op.flops_bwd, m * n, 1)):
-        bf16 = flops / (gpu.tflops("bf16") * 1e12 * matmul_efficiency(m, n, kk, gpu, dtype="bf16")) / k.sustained_compute
-        fp8 = flops / (gpu.tflops("fp8") * 1e12 * matmul_efficiency(m, n, kk, gpu, dtype="fp8")) / k.sustained_compute
+        rate = {d: gpu.tflops(d) * 1e12 * matmul_efficiency(m, n, kk, gpu, dtype=d) for d in ("bf16", "fp8")}
+        bf16 = flops / rate["bf16"] / k.sustained_compute
+        fp8 = flops / rate["fp8"] / k.sustained_compute
         cast = k.precision("fp8").cast_bytes_per_element * cast_elems / mem_rate
         assert times["bf16"][i] == pytest.approx(bf16, rel=1e-12)
         assert times["fp8"][i] == pytest.approx(fp8 + cast, rel=1e-12)
