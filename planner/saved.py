@@ -5,8 +5,9 @@ The exported program runs once under ``FakeTensorMode`` on the CPU device (no me
 the CUDA flash kernels do, where the meta device would take the math path and save the scores), with
 ``torch.autograd.graph.saved_tensors_hooks`` recording every tensor an op's derivative formula saves. A saved
 tensor is charged to the op whose output owns its storage (views share it), or, for a temporary the op made
-inside itself (a norm's fp32 statistics, attention's log-sum-exp), to the op that was running; parameters and
-buffers are not activations; a storage saved by several ops counts once. This is the eager behaviour, fp32
+inside itself (a norm's fp32 statistics, attention's log-sum-exp), to the op that was running; parameters,
+buffers and what is made from them alone (cast copies, per-token gathers of expert weights) are not
+activations; a storage saved by several ops counts once. This is the eager behaviour, fp32
 upcasts, rotary temporaries and GLU intermediates included, not a formula of it.
 """
 
@@ -95,9 +96,12 @@ def _run(ep: Any, args: list[Any], frozen: set[int], torch: Any) -> dict[str, fl
             current[0] = n.name if n.op == "call_function" else ""
             out = super().run_node(n)
             if n.op == "call_function":
+                weights_only = _from_weights(n, self.env, frozen, torch)
                 for t in _tensors(out, torch):
                     produced.setdefault(_storage(t), n.name)
                     alive.append(t)
+                    if weights_only:
+                        frozen.add(_storage(t))
             return out
 
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -107,6 +111,17 @@ def _run(ep: Any, args: list[Any], frozen: set[int], torch: Any) -> dict[str, fl
         if name:
             out[name] = out.get(name, 0.0) + nbytes
     return out
+
+
+def _from_weights(node: Any, env: dict, frozen: set[int], torch: Any) -> bool:
+    """Whether every floating-point input of ``node`` is a parameter, a buffer or made from them only (integer
+    index inputs aside): its output is a weight (a cast copy, a per-token gather of expert weights for a batched
+    expert GEMM), kept as parameters are, not an activation of the forward. Grouped-GEMM kernels and FSDP's
+    unsharded copies are priced as weights; HF's ``batched_mm`` gathers them per token, which would otherwise
+    count every expert's weights once per token."""
+    inputs = [t for a in node.all_input_nodes for t in _tensors(env.get(a), torch)]
+    floats = [t for t in inputs if t.dtype.is_floating_point]
+    return bool(floats) and all(_storage(t) in frozen for t in floats)
 
 
 def _tensors(value: Any, torch: Any) -> list[Any]:
