@@ -113,15 +113,25 @@ def _run(ep: Any, args: list[Any], frozen: set[int], torch: Any) -> dict[str, fl
     return out
 
 
+_VIEWS_AND_CASTS = ("aten.to.", "aten._to_copy", "aten.t.", "aten.view", "aten.reshape", "aten.expand", "aten.transpose",
+                    "aten.permute", "aten.unsqueeze", "aten.squeeze", "aten.alias", "aten.detach", "aten.contiguous",
+                    "aten.clone", "aten.slice", "aten.select")
+_GATHERS = ("aten.index.", "aten.index_select", "aten.embedding", "aten._unsafe_index", "aten.gather")
+
+
 def _from_weights(node: Any, env: dict, frozen: set[int], torch: Any) -> bool:
-    """Whether every floating-point input of ``node`` is a parameter, a buffer or made from them only (integer
-    index inputs aside): its output is a weight (a cast copy, a per-token gather of expert weights for a batched
-    expert GEMM), kept as parameters are, not an activation of the forward. Grouped-GEMM kernels and FSDP's
-    unsharded copies are priced as weights; HF's ``batched_mm`` gathers them per token, which would otherwise
-    count every expert's weights once per token."""
+    """Whether ``node`` makes a weight, not an activation: a cast or view of parameters / buffers (a bf16 copy
+    under autocast), or a per-token gather from a stacked expert weight (>= 3 dimensions: HF's ``batched_mm``
+    experts; grouped-GEMM kernels read the weights in place). A lookup in a 2-D embedding table is an
+    activation (the hidden states)."""
+    target = str(node.target)
     inputs = [t for a in node.all_input_nodes for t in _tensors(env.get(a), torch)]
     floats = [t for t in inputs if t.dtype.is_floating_point]
-    return bool(floats) and all(_storage(t) in frozen for t in floats)
+    if not floats or not all(_storage(t) in frozen for t in floats):
+        return False
+    if target.startswith(_VIEWS_AND_CASTS):
+        return True
+    return target.startswith(_GATHERS) and all(t.dim() >= 3 for t in floats)
 
 
 def _tensors(value: Any, torch: Any) -> list[Any]:

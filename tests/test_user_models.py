@@ -193,7 +193,9 @@ def test_every_block_solves(spec):
 
 
 def test_large_blocks_choose_megatron_shardings():
-    """At a compute-heavy size the ILP shards the GPT Megatron-style and the ViT's MLP, not its attention."""
+    """At a compute-heavy size the ILP shards the GPT Megatron-style and the ViT's MLP, not its attention. (At
+    hidden 1024 / seq 512 the runtime's three separate q / k / v input-gradient all-reduces already cost more than
+    the attention's share of compute saves, and the ILP keeps attention replicated.)"""
     from costmodel.profiles import make_cluster
     from planner.graph import find_blocks
     from planner.search.block_plan import block_strategy
@@ -201,7 +203,7 @@ def test_large_blocks_choose_megatron_shardings():
 
     cluster = make_cluster("dgx-a100-80gb", 1)
     expect = {
-        "tests.models.gpt:gpt:hidden=1024,heads=16,seq=512": {
+        "tests.models.gpt:gpt:hidden=2048,heads=16,seq=1024": {
             "attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.o": "rowwise",
             "mlp.fc1": "colwise", "mlp.fc2": "rowwise"},
         "tests.models.vit:vit:hidden=1024,heads=16,mlp=4096,image=224,patch=16": {
