@@ -354,19 +354,21 @@ def dp_collectives(*, params: float, expert_params: float, bytes_per_param: floa
 
     ZeRO-3 gathers and reduces parameters module by module: ``layers`` transformer layers on the rank times
     ``StepConstants.zero3_collectives_per_layer`` collectives per pass, plus one for the rank's other entries
-    (embedding, head), each on its share of the bytes."""
+    (embedding, head), each on its share of the bytes; ZeRO-1/2 too where the target reduces and gathers every
+    micro-batch (``StepConstants.zero12_per_microbatch``: FSDP2), once per micro-batch each."""
     out = []
     for group, n in (("dense", params), ("expert", expert_params)):
         if n <= 0:
             continue
+        per_unit = zero_stage == 3 or (zero_stage in (1, 2) and k.zero12_per_microbatch)
         if zero_stage == 0:
             parts = [("all_reduce", 1)]
         elif zero_stage in (1, 2):
-            parts = [("reduce_scatter", 1), ("all_gather", 1)]
+            parts = [("reduce_scatter", m if per_unit else 1), ("all_gather", m if per_unit else 1)]
         else:
             gathers = 2 + (1 if recompute == "full" and k.zero3_passes_recompute else 0)
             parts = [("all_gather", gathers * m), ("reduce_scatter", m)]
-        units = layers * k.zero3_collectives_per_layer + 1 if zero_stage == 3 else 1
+        units = layers * k.zero3_collectives_per_layer + 1 if per_unit else 1
         per = {"all_gather": bytes_per_param if gather_bytes_per_param is None else gather_bytes_per_param}
         out += [(group, op, n * per.get(op, bytes_per_param) / units, units * times) for op, times in parts]
     return tuple(out)

@@ -78,6 +78,11 @@ class StepConstants:
     - ``zero3_passes_recompute``: a recomputed layer gathers its parameters again (four passes, not three).
     - ``zero3_collectives_per_layer``: parameter gathers / gradient reductions per layer and pass, each paying
       the ring latency.
+    - ``zero12_per_microbatch``: ZeRO-1/2 gather the parameters and reduce-scatter the gradients every
+      micro-batch, unit by unit as ZeRO-3 does (``zero3_collectives_per_layer`` per layer plus one for the
+      rest), with one gather per micro-batch (FSDP2 ``reshard_after_forward=False``, which reshards after each
+      backward and reduces every micro-batch); False: one reduce-scatter and one gather of the whole state per
+      step (a distributed optimizer).
 
     Communication: ``grad_reduce_bytes`` per gradient element of the data-parallel reduction,
     ``param_gather_bytes`` per parameter of the parameter all-gather (None: the workload's bytes per element,
@@ -101,6 +106,7 @@ class StepConstants:
     zero3_flat_nic: bool
     zero3_passes_recompute: bool
     zero3_collectives_per_layer: int
+    zero12_per_microbatch: bool
     grad_reduce_bytes: float | None
     param_gather_bytes: float | None
     precisions: tuple[PrecisionConstants, ...] = ()

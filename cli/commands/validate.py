@@ -64,7 +64,6 @@ def _plans(args: argparse.Namespace, cal, dtype: str = "bf16") -> list:
     from costmodel.errors import ConfigError
     from costmodel.profiles import load_cluster_file, make_cluster
     from planner.plan import load_plan
-    from planner.reprice import priced_for_dtype
     from planner.search.driver import plan_model
 
     if args.plans and args.model:
@@ -77,8 +76,8 @@ def _plans(args: argparse.Namespace, cal, dtype: str = "bf16") -> list:
         cluster = load_cluster_file(args.cluster, calibration=cal)
     else:
         cluster = make_cluster(args.cluster, 1, gpus_per_node=args.gpus_per_node, calibration=cal)
-    return [priced_for_dtype(plan_model(args.model, cluster, global_batch=args.global_batch, seq=args.seq, fix=fix),
-                             cluster, dtype=dtype)
+    return [plan_model(args.model, cluster, global_batch=args.global_batch, seq=args.seq, fix=fix,
+                       compute_dtype=dtype)
             for fix in (args.fix or [None])]
 
 
