@@ -310,10 +310,16 @@ def _chunk_arrays(ctx_key: _CtxKey, stage_layers: tuple[int, ...], mask: tuple[b
     return _chunk_cached(ctx_key, stage_layers, mask)
 
 
+def _p2p_bytes(workload: Workload, *, mb: int, tp: int, cp: int) -> float:
+    """Bytes of one pipeline send: a micro-batch's activations (or their gradient) at a stage boundary, split
+    over the tp ranks' links (SC21 scatter / gather)."""
+    return mb * workload.seq / cp * workload.hidden * workload.dtype_bytes / tp
+
+
 def _p2p_s(workload: Workload, cluster: Cluster, *, pp: int, mb: int, tp: int, cp: int, dp: int) -> tuple[str, float]:
     if pp == 1:
         return "", 0.0
-    nbytes = mb * workload.seq / cp * workload.hidden * workload.dtype_bytes / tp
+    nbytes = _p2p_bytes(workload, mb=mb, tp=tp, cp=cp)
     cc = collective_time_s("send_recv", nbytes, Group(size=2, stride=tp * cp * dp), cluster)
     return cc.link_kind, cc.time_s
 
@@ -663,8 +669,9 @@ def priced_collectives(workload: Workload, config: ParallelConfig, cluster: Clus
                        target: Target | None = None) -> tuple[dict[tuple[str, str], list], ...]:
     """Per pipeline rank, the collectives one step issues as the step model prices them:
     ``{(axis, op): [count, total bytes]}`` with axis ``tp`` / ``cp`` / ``ep`` (the blocks' own, per micro-batch,
-    from their costers) or ``dp`` (gradient and parameter traffic, ``dp_collectives``). For checking against
-    what the runtime issues (``tests/test_priced_collectives.py``, CommDebugMode on the fake process group)."""
+    from their costers), ``pp`` (``send_recv``: each chunk's sends and receives to its neighbours, forward and
+    backward, per micro-batch) or ``dp`` (gradient and parameter traffic, ``dp_collectives``). For checking against
+    what the runtime issues (``tests/test_priced_collectives.py``, runtime.measure.comm_trace on gloo ranks)."""
     chunks = config.pp * config.virtual_stages
     stage_layers = even_stage_layers(workload, chunks) if stage_layers is None else tuple(stage_layers)
     target = target or default_target()
@@ -687,6 +694,12 @@ def priced_collectives(workload: Workload, config: ParallelConfig, cluster: Clus
         dense[r] += cost.params
         expert[r] += cost.expert_params
         blocks[r] += 1 if layer.recomputable else 0
+    if config.pp > 1:  # the pipeline's sends and receives (``_p2p_s``): one activation / gradient per hop
+        hop = _p2p_bytes(workload, mb=config.microbatch, tp=config.tp, cp=config.cp)
+        n = len(stage_layers)
+        for c in range(n):
+            sides = (1 if c < n - 1 else 0) + (1 if c > 0 else 0)  # next and previous neighbour
+            add(c % config.pp, "pp", "send_recv", 2 * sides * m, hop)  # forward and backward each way
     for r in range(config.pp):
         for group, op, nbytes, count in dp_collectives(
                 params=dense[r], expert_params=expert[r], bytes_per_param=wb[0], m=m, k=target.constants,
