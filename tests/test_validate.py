@@ -126,3 +126,24 @@ def test_cli_registered_and_error_exit(capsys):
 
     assert main(["validate"]) == 2
     assert "nothing to validate" in capsys.readouterr().err
+
+
+def test_pooled_compute_takes_the_median_run_of_each_slowest_rank():
+    """Three plans' sweeps (two ranks each): per point the slower rank, then the median over the plans."""
+    import dataclasses as dc
+
+    from runtime.measure.compute import pooled_compute
+
+    base = _cal()
+
+    def sweep(scale: float) -> tuple[list, list, list]:
+        return ([dc.replace(p, time_s=p.time_s * scale) for p in base.matmul],
+                [dc.replace(p, time_s=p.time_s * scale) for p in base.membound],
+                [dc.replace(p, fwd_s=p.fwd_s * scale, bwd_s=p.bwd_s * scale) for p in base.dispatch])
+
+    runs = [[sweep(1.0), sweep(3.0)], [sweep(1.5), sweep(1.0)], [sweep(9.0), sweep(0.5)]]  # slowest: 3, 1.5, 9
+    pooled = pooled_compute(base, runs)
+    assert [p.time_s for p in pooled.matmul] == pytest.approx([3.0 * p.time_s for p in base.matmul])
+    assert [p.time_s for p in pooled.membound] == pytest.approx([3.0 * p.time_s for p in base.membound])
+    assert pooled.dispatch_fit.layer_fwd_s == pytest.approx(3.0 * base.dispatch_fit.layer_fwd_s)
+    assert pooled.collectives == base.collectives
