@@ -3,8 +3,9 @@
 ``CollectiveRecorder`` is a ``TorchDispatchMode`` that sees the c10d ops (``c10d.allreduce_``,
 ``c10d._allgather_base_``, ... : what DDP's C++ reducer, FSDP2 and ``torch.distributed`` calls dispatch) and the
 functional collectives DTensor issues (``_c10d_functional.all_reduce``, ...), with the process group each runs on.
-``axis_of_groups(mesh)`` names the groups by the plan's mesh axes; ``record_step(pm, inputs, targets, optimizer)`` runs one
-``ParallelModel.step`` and the optimizer step under the recorder and returns ``{(axis, op): [count, total bytes]}`` in the convention of
+``axis_of_groups(mesh)`` names the groups by the plan's mesh axes; ``record_step(pm, inputs, targets,
+optimizer)`` runs one ``ParallelModel.step`` and the optimizer step under the recorder and returns
+``{(axis, op): [count, total bytes]}`` in the convention of
 ``costmodel.step.priced_collectives`` (full buffer bytes: the reduced tensor, the gathered output, the scattered
 input, the all-to-all input; a send or receive: its tensor). Axes: ``tp`` / ``cp`` / ``ep`` / ``pp`` (groups of
 those mesh axes), ``dp`` (the data-parallel wrappers' gradient and parameter traffic on the batch groups: DDP,
