@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -361,23 +362,34 @@ def dp_collectives(*, params: float, expert_params: float, bytes_per_param: floa
     ZeRO-3 gathers and reduces parameters module by module: ``layers`` transformer layers on the rank times
     ``StepConstants.zero3_collectives_per_layer`` collectives per pass, plus one for the rank's other entries
     (embedding, head), each on its share of the bytes; ZeRO-1/2 too where the target reduces and gathers every
-    micro-batch (``StepConstants.zero12_per_microbatch``: FSDP2), once per micro-batch each."""
+    micro-batch (``StepConstants.zero12_per_microbatch``: FSDP2), once per micro-batch each. ZeRO-0 all-reduces
+    once per step, in ``ddp_buckets``."""
     out = []
     for group, n in (("dense", params), ("expert", expert_params)):
         if n <= 0:
             continue
         per_unit = zero_stage == 3 or (zero_stage in (1, 2) and k.zero12_per_microbatch)
+        units = layers * k.zero3_collectives_per_layer + 1 if per_unit else 1
         if zero_stage == 0:
-            parts = [("all_reduce", 1)]
+            units, parts = ddp_buckets(n * bytes_per_param, k), [("all_reduce", 1)]
         elif zero_stage in (1, 2):
             parts = [("reduce_scatter", m if per_unit else 1), ("all_gather", m if per_unit else 1)]
         else:
             gathers = 2 + (1 if recompute == "full" and k.zero3_passes_recompute else 0)
             parts = [("all_gather", gathers * m), ("reduce_scatter", m)]
-        units = layers * k.zero3_collectives_per_layer + 1 if per_unit else 1
         per = {"all_gather": bytes_per_param if gather_bytes_per_param is None else gather_bytes_per_param}
         out += [(group, op, n * per.get(op, bytes_per_param) / units, units * times) for op, times in parts]
     return tuple(out)
+
+
+def ddp_buckets(nbytes: float, k: StepConstants) -> int:
+    """All-reduces of ``nbytes`` of ZeRO-0 gradients: a first bucket of ``k.first_bucket_bytes`` and the rest in
+    buckets of ``k.last_bucket_bytes`` (torch DDP fills each until it reaches its cap: parameter boundaries make
+    real buckets a little larger, so this counts at most one too many); one without ``first_bucket_bytes``."""
+    rest = nbytes - k.first_bucket_bytes
+    if k.first_bucket_bytes <= 0 or rest <= 0 or k.last_bucket_bytes <= 0:
+        return 1
+    return 1 + math.ceil(rest / k.last_bucket_bytes)
 
 
 def dp_bytes(workload: Workload, cfg: ParallelConfig, k: StepConstants) -> tuple[float, float]:

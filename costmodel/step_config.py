@@ -78,6 +78,8 @@ class StepConstants:
     - ``zero3_passes_recompute``: a recomputed layer gathers its parameters again (four passes, not three).
     - ``zero3_collectives_per_layer``: parameter gathers / gradient reductions per layer and pass, each paying
       the ring latency.
+    - ``first_bucket_bytes``: ZeRO-0 gradients are all-reduced in buckets, the first (the last layers' gradients)
+      of this size, the others of ``last_bucket_bytes`` (torch DDP); 0: one all-reduce of the whole gradient.
     - ``zero12_per_microbatch``: ZeRO-1/2 gather the parameters and reduce-scatter the gradients every
       micro-batch, unit by unit as ZeRO-3 does (``zero3_collectives_per_layer`` per layer plus one for the
       rest), with one gather per micro-batch (FSDP2 ``reshard_after_forward=False``, which reshards after each
@@ -107,6 +109,7 @@ class StepConstants:
     zero3_passes_recompute: bool
     zero3_collectives_per_layer: int
     zero12_per_microbatch: bool
+    first_bucket_bytes: float
     grad_reduce_bytes: float | None
     param_gather_bytes: float | None
     precisions: tuple[PrecisionConstants, ...] = ()

@@ -54,7 +54,8 @@ CONSTANT_TABLES: dict[str, dict[str, type]] = {
                 "optimizer_bytes_per_param": float},
     "overlap": {"overlap_slowdown": float, "overlap_param_gather": bool, "tp_comm_exposed": float,
                 "last_bucket_bytes": float, "zero3_flat_nic": bool, "zero3_passes_recompute": bool,
-                "zero3_collectives_per_layer": int, "zero12_per_microbatch": bool},
+                "zero3_collectives_per_layer": int, "zero12_per_microbatch": bool,
+                "first_bucket_bytes": float},
     "comm": {"grad_reduce_bytes": float, "param_gather_bytes": float},
 }
 _CONSTANT_TYPES = {k: t for table in CONSTANT_TABLES.values() for k, t in table.items()}

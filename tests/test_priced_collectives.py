@@ -165,3 +165,21 @@ def test_expert_parallel_token_traffic():
         assert g[("dp", "all_reduce")][1] == pytest.approx(w[("dp", "all_reduce")][1])
         assert g[("dp", "all_reduce")][0] > w[("dp", "all_reduce")][0] == 1
         _assert_only_reporting({k: v for k, v in _extras(g, w).items()})
+
+
+def test_dp_collectives_follow_the_target():
+    """autopar (DDP, FSDP2): ZeRO-0 in DDP's buckets (1 MiB first, then 25 MB), ZeRO-2 per unit and micro-batch;
+    Megatron's distributed optimizer: one all-reduce, one reduce-scatter + one gather per step."""
+    from costmodel.step import dp_collectives
+    from costmodel.targets import load_target
+
+    ours, megatron = load_target("autopar").constants, load_target("megatron").constants
+    args = dict(params=1.8e6, expert_params=0.0, bytes_per_param=4.0, m=3, recompute="none", layers=2)
+    (z0,) = dp_collectives(k=ours, zero_stage=0, **args)
+    assert z0[1:] == ("all_reduce", pytest.approx(7.2e6 / 2), 2)  # 1 MiB + the rest under 25 MB
+    assert dp_collectives(k=ours, zero_stage=0, **{**args, "params": 2e5})[0][3] == 1
+    assert dp_collectives(k=megatron, zero_stage=0, **args)[0][3] == 1
+    z2 = {op: (nbytes, count) for _, op, nbytes, count in dp_collectives(k=ours, zero_stage=2, **args)}
+    assert z2 == {"reduce_scatter": (pytest.approx(7.2e6 / 3), 3 * 3), "all_gather": (pytest.approx(7.2e6 / 3), 3 * 3)}
+    z2m = {op: (nbytes, count) for _, op, nbytes, count in dp_collectives(k=megatron, zero_stage=2, **args)}
+    assert z2m == {"reduce_scatter": (pytest.approx(7.2e6), 1), "all_gather": (pytest.approx(7.2e6), 1)}
