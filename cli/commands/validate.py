@@ -48,6 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="calibration from `autopar calibrate` (default: the newest in profiles/calibration/)")
     p.add_argument("--calibrate", action="store_true",
                    help="take a quick calibration with the plans' rank count first and price the plans with it")
+    p.add_argument("--one-at-a-time", action="store_true",
+                   help="measure each plan in its own ranks, one after the other (default when the plans share a "
+                   "world size: all in the same ranks, their steps in turns, so a shared machine's load moves "
+                   "every plan alike; memory is then what each plan added to the ranks)")
     p.add_argument("--own-calibration", action="store_true",
                    help="with --calibrate: price each plan with the compute its own ranks measured right after its "
                    "steps (default: every plan's sweeps pooled, the median per point; `own s` shows both)")
@@ -124,6 +128,19 @@ def _measure(args: argparse.Namespace, plan, *, dtype: str, threads: int) -> lis
                         compute_dtype=dtype, calibrate_after=args.calibrate, dispatch_model=dispatch_model)
 
 
+def _measure_in_turns(args: argparse.Namespace, plans: list, *, dtype: str, threads: int) -> list:
+    """Every plan in the same ranks, their steps in turns (``runtime.measure.validate.measure_plans``)."""
+    from cli.commands.calibrate import dispatch_model
+    from runtime.measure.validate import measure_plans
+
+    print(f"autopar validate: {len(plans)} plans in the same {plans[0].degrees.world_size} ranks, their steps in "
+          "turns", file=sys.stderr, flush=True)
+    factories = [functools.partial(build_model_for, p.model.name, p.global_batch, p.model.seq_len) for p in plans]
+    return measure_plans(plans, model_factories=factories, steps=args.steps, warmup=args.warmup,
+                         threads_per_rank=threads, compute_dtype=dtype, calibrate_after=args.calibrate,
+                         dispatch_model=dispatch_model)
+
+
 def _repriced(plan, cal, dtype: str):
     from costmodel.profiles import make_cluster
     from planner.reprice import calibration_for, reprice
@@ -171,7 +188,11 @@ def run(args: argparse.Namespace) -> int:
           f"{args.warmup} warm-up + {args.steps} measured steps, compute {dtype}", file=sys.stderr)
     measured = []
     out = sys.stderr if args.json else sys.stdout
-    for i, plan in enumerate(plans):
+    if len(plans) > 1 and len({p.degrees.world_size for p in plans}) == 1 and not args.one_at_a_time:
+        measured = list(zip(plans, _measure_in_turns(args, plans, dtype=dtype, threads=threads)))
+        if not args.calibrate:
+            print(_format([_row(*m) for m in measured], header=True), flush=True, file=out)
+    for i, plan in enumerate(plans if not measured else []):
         measured.append((plan, _measure(args, plan, dtype=dtype, threads=threads)))
         if not args.calibrate:
             print(_format([_row(*measured[-1])], header=i == 0), flush=True, file=out)
