@@ -352,8 +352,8 @@ def _dp_collective(op: str, nbytes: float, group: Group, cluster: Cluster, *, fl
 
 
 def dp_collectives(*, params: float, expert_params: float, bytes_per_param: float, m: int, k: StepConstants,
-                   zero_stage: int, recompute: str, layers: int, gather_bytes_per_param: float | None = None
-                   ) -> tuple[tuple[str, str, float, int], ...]:
+                   zero_stage: int, recompute: str, layers: int, gather_bytes_per_param: float | None = None,
+                   tensor_parallel: bool = False) -> tuple[tuple[str, str, float, int], ...]:
     """The data-parallel collectives one pipeline rank issues per step: ``(group, op, bytes each, count)``
     with ``group`` ``dense`` (over dp x cp) or ``expert`` (over dp / ep x cp). What ``_dp_comm`` times and
     ``priced_collectives`` lists. ``bytes_per_param``: of the gradient reductions; ``gather_bytes_per_param``:
@@ -363,14 +363,17 @@ def dp_collectives(*, params: float, expert_params: float, bytes_per_param: floa
     ``StepConstants.zero3_collectives_per_layer`` collectives per pass, plus one for the rank's other entries
     (embedding, head), each on its share of the bytes; ZeRO-1/2 too where the target reduces and gathers every
     micro-batch (``StepConstants.zero12_per_microbatch``: FSDP2), once per micro-batch each. ZeRO-0 all-reduces
-    once per step, in ``ddp_buckets``."""
+    once per step, in ``ddp_buckets``; with ``tensor_parallel`` under that FSDP2 runtime, per unit and micro-batch
+    (DTensor parameters: FSDP2's ``replicate`` instead of DDP)."""
     out = []
     for group, n in (("dense", params), ("expert", expert_params)):
         if n <= 0:
             continue
         per_unit = zero_stage == 3 or (zero_stage in (1, 2) and k.zero12_per_microbatch)
         units = layers * k.zero3_collectives_per_layer + 1 if per_unit else 1
-        if zero_stage == 0:
+        if zero_stage == 0 and tensor_parallel and k.zero12_per_microbatch:
+            units, parts = layers * k.zero3_collectives_per_layer + 1, [("all_reduce", m)]
+        elif zero_stage == 0:
             units, parts = ddp_buckets(n * bytes_per_param, k), [("all_reduce", 1)]
         elif zero_stage in (1, 2):
             parts = [("reduce_scatter", m if per_unit else 1), ("all_gather", m if per_unit else 1)]
@@ -409,7 +412,7 @@ def _dp_comm(wb: tuple[float, float], cluster: ByIdentity, dense: float, expert:
     total, kind, largest = 0.0, "", 0.0
     for group, op, nbytes, count in dp_collectives(params=dense, expert_params=expert, bytes_per_param=wb[0], m=m,
                                                     k=k, zero_stage=zero_stage, recompute=recompute, layers=layers,
-                                                    gather_bytes_per_param=wb[1]):
+                                                    gather_bytes_per_param=wb[1], tensor_parallel=tp > 1):
         lk, t = _dp_collective(op, nbytes, groups[group], cluster.obj, flat=zero_stage == 3 and k.zero3_flat_nic)
         if t * count > largest:  # the link kind of the largest contribution names the traffic
             kind, largest = lk, t * count
@@ -716,7 +719,7 @@ def priced_collectives(workload: Workload, config: ParallelConfig, cluster: Clus
         for group, op, nbytes, count in dp_collectives(
                 params=dense[r], expert_params=expert[r], bytes_per_param=wb[0], m=m, k=target.constants,
                 zero_stage=config.zero_stage, recompute=config.recompute, layers=blocks[r],
-                gather_bytes_per_param=wb[1]):
+                gather_bytes_per_param=wb[1], tensor_parallel=config.tp > 1):
             if (config.dp * config.cp if group == "dense" else max(1, config.dp // config.ep) * config.cp) > 1:
                 add(r, "dp", op, count, nbytes)
     return tuple(out)

@@ -84,7 +84,8 @@ class StepConstants:
       micro-batch, unit by unit as ZeRO-3 does (``zero3_collectives_per_layer`` per layer plus one for the
       rest), with one gather per micro-batch (FSDP2 ``reshard_after_forward=False``, which reshards after each
       backward and reduces every micro-batch); False: one reduce-scatter and one gather of the whole state per
-      step (a distributed optimizer).
+      step (a distributed optimizer). True also prices ZeRO-0 with tensor parallel as FSDP2's ``replicate``
+      (DTensor parameters): one all-reduce per unit and micro-batch.
 
     Communication: ``grad_reduce_bytes`` per gradient element of the data-parallel reduction,
     ``param_gather_bytes`` per parameter of the parameter all-gather (None: the workload's bytes per element,

@@ -179,6 +179,9 @@ def test_dp_collectives_follow_the_target():
     assert z0[1:] == ("all_reduce", pytest.approx(7.2e6 / 2), 2)  # 1 MiB + the rest under 25 MB
     assert dp_collectives(k=ours, zero_stage=0, **{**args, "params": 2e5})[0][3] == 1
     assert dp_collectives(k=megatron, zero_stage=0, **args)[0][3] == 1
+    (rep,) = dp_collectives(k=ours, zero_stage=0, tensor_parallel=True, **args)  # FSDP2 replicate: units x m
+    assert rep[1:] == ("all_reduce", pytest.approx(7.2e6 / 3), 3 * 3)
+    assert dp_collectives(k=megatron, zero_stage=0, tensor_parallel=True, **args)[0][3] == 1
     z2 = {op: (nbytes, count) for _, op, nbytes, count in dp_collectives(k=ours, zero_stage=2, **args)}
     assert z2 == {"reduce_scatter": (pytest.approx(7.2e6 / 3), 3 * 3), "all_gather": (pytest.approx(7.2e6 / 3), 3 * 3)}
     z2m = {op: (nbytes, count) for _, op, nbytes, count in dp_collectives(k=megatron, zero_stage=2, **args)}
