@@ -294,3 +294,32 @@ def test_mlp_pipelines_on_2_ranks_like_one_process():
         assert res["plan"] == plan
         rc.compare(res["run"], rc.restrict(ref, res["run"]), what=f"mlp pp2 rank {rank}")
     assert set(results[0]["run"]["params"]) | set(results[1]["run"]["params"]) == set(ref["params"])
+
+
+def test_planner_proposes_no_pipeline_for_a_non_chain_model():
+    """The hand-written GPT with its embedding added again before the head: where the GPT gets pp2 x dp2 (the
+    first test), this one gets no pipeline, and a pinned pp=2 is refused naming the boundary."""
+    from costmodel.errors import UnsupportedModelError
+    from costmodel.profiles import resolve_cluster
+    from planner import plan_model
+    from planner.workload import workload_from_module
+    from tests.models.gpt import GPT
+
+    class SkipGPT(GPT):
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            x = e = self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.ln_f(x + e))
+
+    cluster = resolve_cluster("local", nodes=1, gpus_per_node=4)
+    with torch.device("meta"):
+        skip = SkipGPT(layers=2, hidden=rc.HIDDEN, heads=4, vocab=rc.VOCAB, max_seq=64)
+    example = (torch.zeros(4, rc.SEQ, dtype=torch.long),)
+    w, _ = workload_from_module(skip, example, name="skip")
+    assert "cross the boundary between blocks 'blocks.0' and 'blocks.1'" in w.meta["pipeline_blocker"]
+    w, _ = workload_from_module(rc.handwritten_gpt_model(), example, name="gpt")
+    assert w.meta["pipeline_blocker"] == ""  # the GPT is a chain (its tied head reads a weight, not a tensor)
+    assert plan_model(skip, cluster, global_batch=4, example_inputs=example).degrees.pp == 1
+    with pytest.raises(UnsupportedModelError, match="not a chain a pipeline can cut.*--fix pp=1"):
+        plan_model(skip, cluster, global_batch=4, example_inputs=example, fix="pp=2")
