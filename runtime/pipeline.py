@@ -45,10 +45,12 @@ from torch.distributed import pipelining as pl
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._backward import stage_backward
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from costmodel.errors import ConfigError, PlanMismatchError
 from planner.plan import Plan, StagePlan
+from runtime.data_parallel import gradient_sync, set_microbatch_sync
 from runtime.mesh import batch_mesh
 from runtime.model_adapters import Layout, ModelAdapter, TracedAdapter, adapter_for
 from runtime.traced_units import graft_attrs
@@ -431,6 +433,26 @@ class PipelineRunner:
             dist.all_reduce(self._local(p.grad), group=self._tied_group)
 
 
+class _Stage(PipelineStage):
+    """``PipelineStage`` whose FSDP2 chunk accumulates gradients as the plan's ZeRO stage says
+    (``runtime.data_parallel.gradient_sync``). Torch's own stage turns gradient sync and resharding off for
+    every backward and reduces once at the end (``perform_reduce_grad``): kept for ZeRO 1 (unsharded
+    gradients accumulate). For ZeRO 2 / 3 each micro-batch's backward reduce-scatters into the sharded
+    gradient (ZeRO 3 reshards after it too), so no unsharded gradient outlives its layer's backward."""
+
+    def __init__(self, *args: Any, plan: Plan, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._plan = plan
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        reduce, _ = gradient_sync(self._plan)
+        if not (reduce and isinstance(self.submod, FSDPModule) and backward_type == "full"):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+        set_microbatch_sync(self.submod, self._plan, last=last_backward)
+        grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
+        return grads, None
+
+
 def _check_fsdp_schedule(local: dict[int, nn.Module], plan: Plan) -> None:
     fsdp = any(isinstance(m, FSDPModule) for c in local.values() for m in c.modules())
     if fsdp and plan.schedule.name == "zero-bubble":
@@ -483,7 +505,7 @@ def build_pipeline(
         local = {i: parallelize_chunk(c) for i, c in local.items()}
     _check_fsdp_schedule(local, plan)
     stages = [
-        PipelineStage(local[i], stage_index=i, num_stages=len(all_chunks), device=device, group=groups.pp)
+        _Stage(local[i], stage_index=i, num_stages=len(all_chunks), device=device, group=groups.pp, plan=plan)
         for i in sorted(local)
     ]
     n_mb = plan.schedule.num_microbatches
