@@ -6,7 +6,8 @@ layers. For every other model ``TracedAdapter`` reads it from the model itself: 
 holds no transformer layer kept as one call (a leaf), so the layers (``runtime.checkpointing.transformer_layers``:
 the children of the outermost ``nn.ModuleList`` s, the planner's blocks) and the modules around them appear as
 ``call_module`` nodes under their own FQNs, and the root's own code between them (``wte(ids) + wpe(arange(T))``,
-residual adds, reshapes) as plain nodes. The graph is cut into the units a pipeline chunk runs:
+residual adds, reshapes) as plain nodes (``nn.TransformerEncoder`` as the layer calls its forward makes without
+masks). The graph is cut into the units a pipeline chunk runs:
 
     unit 0          everything before the first layer call (the planner's ``embedding`` block)
     units 1..L      layer ``i``'s call and the root's ops after it, up to the next module call after the layers
@@ -49,6 +50,19 @@ class _LeafTracer(fx.Tracer):
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return module_qualified_name not in self._containers
+
+    def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
+        # torch's nn.TransformerEncoder checks tensor properties for its inference fast path (control flow fx
+        # cannot trace); without masks its forward is: each layer in turn (src_mask=None, is_causal=False,
+        # src_key_padding_mask=None), then the optional norm. Recorded as those calls.
+        if isinstance(m, nn.TransformerEncoder) and len(args) == 1 and not any(
+                kwargs.get(k) is not None for k in ("mask", "src_key_padding_mask")) and not kwargs.get("is_causal"):
+            out = args[0]
+            for layer in m.layers:
+                out = super().call_module(layer, layer.forward, (out,),
+                                          {"src_mask": None, "is_causal": False, "src_key_padding_mask": None})
+            return super().call_module(m.norm, m.norm.forward, (out,), {}) if m.norm is not None else out
+        return super().call_module(m, forward, args, kwargs)
 
 
 @dataclass(slots=True)

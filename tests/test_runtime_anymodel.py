@@ -110,23 +110,30 @@ def _cut(model, cuts):
     return [PipelineChunk(model, adapter=adapter, lo=lo, hi=hi, stage=st) for st, (lo, hi) in zip(stages, ranges)]
 
 
-@pytest.mark.parametrize("kind", ["gpt", "mlp"])
+@pytest.mark.parametrize("kind", ["gpt", "mlp", "vit"])
 def test_traced_chunks_chained_equal_full_model(kind):
     from runtime.materialize import materialize
     from tests.models.gpt import GPT
     from tests.models.mlp import MLPStack
+    from tests.models.vit import ViT
 
-    with torch.device("meta"):  # (not .to("meta"), which unties the head)
-        if kind == "gpt":  # 3 layers, tied head: units <embedding>, blocks.0..2, ln_f, head
-            model = GPT(layers=3, hidden=32, heads=4, vocab=50, max_seq=16)
-        else:  # units <embedding> (inp), blocks.0..3, out
-            model = MLPStack(in_features=8, width=16, hidden=32, layers=4, classes=5)
     gen = torch.Generator().manual_seed(0)
-    if kind == "gpt":
-        x, cuts = torch.randint(0, 50, (2, 8), generator=gen), [(0, 2), (2, 4), (4, 6)]
+    if kind == "vit":  # nn.TransformerEncoder's layers; root-level class token and positions (on chunk 0)
+        torch.manual_seed(0)
+        model = ViT(image=16, patch=8, layers=3, hidden=32, heads=4, mlp=64, classes=3)
+        nn.init.normal_(model.cls), nn.init.normal_(model.pos)
+        x, cuts = torch.randn(2, 3, 16, 16, generator=gen), [(0, 2), (2, 4), (4, 6)]
     else:
-        x, cuts = torch.randn(3, 8, generator=gen), [(0, 3), (3, 6)]
-    model = materialize(model, device="cpu", seed=0)
+        with torch.device("meta"):  # (not .to("meta"), which unties the head)
+            if kind == "gpt":  # 3 layers, tied head: units <embedding>, blocks.0..2, ln_f, head
+                model = GPT(layers=3, hidden=32, heads=4, vocab=50, max_seq=16)
+            else:  # units <embedding> (inp), blocks.0..3, out
+                model = MLPStack(in_features=8, width=16, hidden=32, layers=4, classes=5)
+        model = materialize(model, device="cpu", seed=0)
+        if kind == "gpt":
+            x, cuts = torch.randint(0, 50, (2, 8), generator=gen), [(0, 2), (2, 4), (4, 6)]
+        else:
+            x, cuts = torch.randn(3, 8, generator=gen), [(0, 3), (3, 6)]
     chunks = _cut(model, cuts)
     h = x
     for c in chunks:
@@ -137,6 +144,8 @@ def test_traced_chunks_chained_equal_full_model(kind):
     if kind == "gpt":
         assert chunks[0].fqns == ("wte", "wpe", "blocks.0") and chunks[2].fqns == ("ln_f", "head")
         assert chunks[2].head.weight is chunks[0].wte.weight  # the tie survives the cut (one parameter object)
+    if kind == "vit":
+        assert chunks[0].fqns == ("patch", "encoder.layers.0") and chunks[0].pos is model.pos
 
 
 class _Block(nn.Module):
@@ -294,3 +303,32 @@ def test_mlp_pipelines_on_2_ranks_like_one_process():
         assert res["plan"] == plan
         rc.compare(res["run"], rc.restrict(ref, res["run"]), what=f"mlp pp2 rank {rank}")
     assert set(results[0]["run"]["params"]) | set(results[1]["run"]["params"]) == set(ref["params"])
+
+
+def test_planner_proposes_no_pipeline_for_a_non_chain_model():
+    """The hand-written GPT with its embedding added again before the head: where the GPT gets pp2 x dp2 (the
+    first test), this one gets no pipeline, and a pinned pp=2 is refused naming the boundary."""
+    from costmodel.errors import UnsupportedModelError
+    from costmodel.profiles import resolve_cluster
+    from planner import plan_model
+    from planner.workload import workload_from_module
+    from tests.models.gpt import GPT
+
+    class SkipGPT(GPT):
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            x = e = self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.ln_f(x + e))
+
+    cluster = resolve_cluster("local", nodes=1, gpus_per_node=4)
+    with torch.device("meta"):
+        skip = SkipGPT(layers=2, hidden=rc.HIDDEN, heads=4, vocab=rc.VOCAB, max_seq=64)
+    example = (torch.zeros(4, rc.SEQ, dtype=torch.long),)
+    w, _ = workload_from_module(skip, example, name="skip")
+    assert "cross the boundary between blocks 'blocks.0' and 'blocks.1'" in w.meta["pipeline_blocker"]
+    w, _ = workload_from_module(rc.handwritten_gpt_model(), example, name="gpt")
+    assert w.meta["pipeline_blocker"] == ""  # the GPT is a chain (its tied head reads a weight, not a tensor)
+    assert plan_model(skip, cluster, global_batch=4, example_inputs=example).degrees.pp == 1
+    with pytest.raises(UnsupportedModelError, match="not a chain a pipeline can cut.*--fix pp=1"):
+        plan_model(skip, cluster, global_batch=4, example_inputs=example, fix="pp=2")
