@@ -498,6 +498,8 @@ def check_plan(plan: Plan, *, ranks: str = "first,middle,last", workers: int | N
     from runtime.measure.spawn import RankError
 
     chosen = distinct_ranks(plan, ranks)
+    for r in chosen:  # an unknown device is an error before anything is measured
+        _capacity_and_reserve(plan, rank_coords(plan, r)["pp"])
     n = max(1, min(len(chosen), workers or os.cpu_count() or 1))
     out: dict[int, RankMemory] = {}
     with cf.ProcessPoolExecutor(max_workers=n, mp_context=mp.get_context("spawn"), max_tasks_per_child=1) as pool:
