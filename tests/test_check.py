@@ -205,3 +205,37 @@ def test_validate_reports_live_peak_on_two_ranks():
         assert m.live_bytes["optimizer"] >= 2 * param_bytes
         assert m.peak_live_bytes == sum(m.live_bytes.values()) > 3 * param_bytes
         assert m.peak_live_where.startswith("step 1")
+
+
+@pytest.mark.planner
+@pytest.mark.slow  # four ranks measured, each in a fresh process
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b"])
+def test_replaying_some_microbatches_gives_the_peak_of_all(schedule):
+    """The ``auto`` shortcut (warm-up, steady rounds, cool-down; receive buffers for all) against every
+    micro-batch of a 16-micro-batch pp2 plan, on both pipeline ranks."""
+    from runtime.measure.memcheck import check_plan, replayed_microbatches
+
+    extra = ",v=2" if schedule != "1f1b" else ""
+    plan = _plan(f"pp=2,dp=1,tp=1,mb=1,schedule={schedule}{extra},zero=0", gpus=2, batch=16)
+    assert plan.schedule.num_microbatches == 16 and replayed_microbatches(plan) < 16
+    some = check_plan(plan, ranks="0,1", microbatches="auto")
+    every = check_plan(plan, ranks="0,1", microbatches="all")
+    for a, b in zip(some, every):
+        assert "replayed" in " ".join(a.notes) and not b.notes
+        # the last stage keeps one 0-d loss per micro-batch replayed: a few bytes apart at most
+        assert abs(a.measured_peak - b.measured_peak) <= 16 * 8, (a.measured, b.measured)
+
+
+def test_replayed_microbatches_choices():
+    import dataclasses
+
+    from costmodel.errors import ConfigError
+    from runtime.measure.memcheck import replayed_microbatches
+
+    plan = _plan("pp=2,dp=1,tp=1,mb=1,schedule=1f1b,zero=0", gpus=2, batch=16)
+    assert replayed_microbatches(plan, "all") == 16 and replayed_microbatches(plan) == 4
+    assert replayed_microbatches(plan, 5) == 6 and replayed_microbatches(plan, 1) == 2  # whole rounds, >= pp
+    gpipe = dataclasses.replace(plan, schedule=dataclasses.replace(plan.schedule, name="gpipe"))
+    assert replayed_microbatches(gpipe) == 16  # every forward is in flight before the first backward
+    with pytest.raises(ConfigError, match="give auto, all or a number"):
+        replayed_microbatches(plan, "most")
