@@ -238,3 +238,54 @@ def test_cpu_and_gpu_layouts_differ_only_in_the_gathered_dtype():
     one = ParallelConfig(dp=8, zero_stage=1, microbatch=1, global_batch=8)  # one micro-batch: ZeRO-1 is ZeRO-2
     assert t.memory_mode(one, gpu=True).gradients.replicated == 0.0
     assert copy.copy(t.memory_mode(ParallelConfig(dp=1, microbatch=1, global_batch=1))).name == "single"
+
+
+def _pipelined_rank(rank: int, world_size: int, zero: int, m: int) -> dict:
+    """One rank of pp2 x dp2 on gloo: the counter of its second step and its parameter count."""
+    from runtime.apply import apply_plan
+    from runtime.manual_plan import manual_plan
+
+    model = _model()
+    plan = manual_plan(model, dp=2, pp=2, zero_stage=zero, num_microbatches=m, microbatch_size=1, seq_len=SEQ,
+                       schedule="1f1b")
+    pm = apply_plan(model, plan, loss_fn=_loss)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, VOCAB, (2 * m, SEQ), generator=g)
+    y = torch.randint(0, VOCAB, (2 * m, SEQ), generator=g)
+    pm.step(x, y)
+    opt.step()
+    opt.zero_grad()
+    counter = LiveBytes(pm.pipeline.modules, opt)
+    with counter:
+        pm.step(x, y)
+        counter.sample()
+        opt.step()
+        counter.sample()
+        opt.zero_grad()
+    local = sum(p.numel() for p in pm.pipeline.parameters())  # this pp rank's parameters, whole (not shards)
+    return {"at_peak": counter.at_peak, "peak": counter.peak, "params": local, "pp_rank": pm.pipeline.pp_rank}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [1, 2])
+def test_pipelined_fsdp_accumulates_as_the_stage_says(zero):
+    """Under pipelining (pp2 x dp2, 1F1B, 4 micro-batches, gloo) ZeRO-1 keeps the full fp32 gradient until the
+    last micro-batch (torch's pipelining default) and ZeRO-2 reduce-scatters every micro-batch into the shard
+    (runtime/pipeline.py _Stage); the model states match the target's layout on every rank."""
+    from dist_utils import run_distributed
+
+    m = 4
+    got = run_distributed(_pipelined_rank, world_size=4, args=(zero, m), timeout_s=300)
+    cfg = ParallelConfig(dp=2, pp=2, zero_stage=zero, microbatch=1, global_batch=2 * m)
+    mode = load_target("autopar").memory_mode(cfg, gpu=False)
+    per = mode.term_bytes_per_param(2)
+    for r in got:
+        n = r["params"]
+        grads = r["at_peak"]["gradients"]
+        assert r["at_peak"]["optimizer"] == pytest.approx(n * per["optimizer"], rel=0.01)
+        assert r["at_peak"]["parameters"] == pytest.approx(n * per["weights"], rel=0.01)
+        if zero == 1:
+            assert grads == pytest.approx(n * 4.0, rel=0.01)
+        else:
+            assert n * 2.0 <= grads < n * 3.0  # the shard (4 B / dp) plus one group in flight
