@@ -268,10 +268,10 @@ def _pipelined_rank(rank: int, world_size: int, zero: int, m: int) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero", [1, 2])
+@pytest.mark.parametrize("zero", [1, 2, 3])
 def test_pipelined_fsdp_accumulates_as_the_stage_says(zero):
     """Under pipelining (pp2 x dp2, 1F1B, 4 micro-batches, gloo) ZeRO-1 keeps the full fp32 gradient until the
-    last micro-batch (torch's pipelining default) and ZeRO-2 reduce-scatters every micro-batch into the shard
+    last micro-batch (torch's pipelining default) and ZeRO-2 / 3 reduce-scatter every micro-batch into the shard
     (runtime/pipeline.py _Stage); the model states match the target's layout on every rank."""
     from dist_utils import run_distributed
 
@@ -284,7 +284,10 @@ def test_pipelined_fsdp_accumulates_as_the_stage_says(zero):
         n = r["params"]
         grads = r["at_peak"]["gradients"]
         assert r["at_peak"]["optimizer"] == pytest.approx(n * per["optimizer"], rel=0.01)
-        assert r["at_peak"]["parameters"] == pytest.approx(n * per["weights"], rel=0.01)
+        if zero == 3:  # the shard, the chunk's root module gathered and at most one block
+            assert n * per["weights"] < r["at_peak"]["parameters"] < n * (per["weights"] + 4.0)
+        else:
+            assert r["at_peak"]["parameters"] == pytest.approx(n * per["weights"], rel=0.01)
         if zero == 1:
             assert grads == pytest.approx(n * 4.0, rel=0.01)
         else:
