@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--checkpoint-dir", default=None, help="save here and resume from the latest complete save")
     ap.add_argument("--checkpoint-every", type=int, default=5, help="steps between checkpoints (default 5)")
+    ap.add_argument("--checkpoint-keep", type=int, default=2, help="complete checkpoints kept (default 2)")
     ap.add_argument("--losses-out", default=None, help="write {step from 1: global loss} of the steps run as JSON")
     ap.add_argument("--timeout-s", type=float, default=None,
                     help="collective timeout: a dead or hung rank fails the others after this (default 600 s)")
@@ -108,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = args.plan
     ckpt = {}
     if args.checkpoint_dir:
-        ckpt = {"checkpoint_dir": args.checkpoint_dir, "checkpoint_every": args.checkpoint_every}
+        ckpt = {"checkpoint_dir": args.checkpoint_dir, "checkpoint_every": args.checkpoint_every,
+                "checkpoint_keep": args.checkpoint_keep}
     dying = args.fail_at is not None and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     current = {"step": 0}
 
