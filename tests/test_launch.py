@@ -41,6 +41,16 @@ def test_launch_prints_one_torchrun_per_node(plans, capsys):
         assert argv[-5:] == ["train.py", "--plan", "w4.json", "--steps", "5"]
 
 
+def test_launch_json_gives_the_argv_per_node(plans, capsys):
+    import json
+
+    assert main(["launch", str(plans / "w4.json"), "--json", "--", "train.py", "--steps", "5"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["nodes"] == 2 and out["nproc_per_node"] == 2 and out["env"] == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    assert [c[c.index("--node-rank") + 1] for c in out["commands"]] == ["0", "1"]
+    assert all(c[-3:] == ["train.py", "--steps", "5"] for c in out["commands"])
+
+
 def test_launch_slurm_script_runs_torchrun_under_srun(plans, capsys):
     assert main(["launch", str(plans / "w4.json"), "--slurm", "--min-nodes", "1", "--", "train.py"]) == 0
     out = capsys.readouterr().out

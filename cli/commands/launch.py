@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import shlex
 import subprocess
@@ -50,6 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slurm", action="store_true", help="print an sbatch script that runs torchrun with srun")
     p.add_argument("--local", action="store_true",
                    help="run the plan's ranks on this machine: one torchrun agent per plan node on 127.0.0.1")
+    p.add_argument("--json", action="store_true",
+                   help="print {nodes, nproc_per_node, env, commands: one argv per node} (with --slurm: {sbatch})")
     p.add_argument("--python", default=sys.executable,
                    help="--local: the interpreter that runs torch.distributed.run (default this one)")
 
@@ -99,15 +102,20 @@ def run(args: argparse.Namespace) -> int:
         return _run_local(args, script=script, nodes=nodes, per_node=per_node, nnodes=nnodes, rdzv_id=rdzv_id,
                           summary=summary)
     if args.slurm:
-        sys.stdout.write(_sbatch(plan, script=script, nodes=nodes, per_node=per_node, nnodes=nnodes,
-                                 port=args.port, max_restarts=args.max_restarts, summary=summary))
+        text = _sbatch(plan, script=script, nodes=nodes, per_node=per_node, nnodes=nnodes, port=args.port,
+                       max_restarts=args.max_restarts, summary=summary)
+        sys.stdout.write(json.dumps({"sbatch": text}, indent=1) + "\n" if args.json else text)
+        return EXIT_OK
+    endpoint = f"{args.master_addr}:{args.port}"
+    cmds = [["torchrun", *torchrun_args(nnodes=nnodes, nproc=per_node, endpoint=endpoint, rdzv_id=rdzv_id,
+                                        max_restarts=args.max_restarts, node_rank=i), *script] for i in range(nodes)]
+    if args.json:
+        print(json.dumps({"nodes": nodes, "nnodes": nnodes, "nproc_per_node": per_node,
+                          "env": {SHARE_STORE_ENV: "1"}, "commands": cmds}, indent=1))
         return EXIT_OK
     print(f"# {summary}")
     print(f"# run on each node; node 0 is {args.master_addr}, the rendezvous host")
-    endpoint = f"{args.master_addr}:{args.port}"
-    for i in range(nodes):
-        cmd = ["torchrun", *torchrun_args(nnodes=nnodes, nproc=per_node, endpoint=endpoint, rdzv_id=rdzv_id,
-                                          max_restarts=args.max_restarts, node_rank=i), *script]
+    for i, cmd in enumerate(cmds):
         print(f"# node {i}")
         print(f"{SHARE_STORE_ENV}=1 {shlex.join(cmd)}")
     return EXIT_OK
