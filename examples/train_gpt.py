@@ -48,9 +48,17 @@ def build_gpt(args: argparse.Namespace) -> torch.nn.Module:
         vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers, ffn_dim=4 * args.hidden,
         num_attention_heads=args.heads, max_position_embeddings=max(64, args.seq), word_embed_proj_dim=args.hidden,
         activation_function="gelu", dropout=0.0, attention_dropout=0.0, tie_word_embeddings=False, pad_token_id=1,
+        use_cache=False,
     )
     with torch.device("meta"):
         return OPTForCausalLM(cfg)
+
+
+def gpt(batch: int = 8, seq: int = 32, layers: int = 4, hidden: int = 128, heads: int = 4, vocab: int = 512):
+    """The model and one example batch, for ``autopar plan --model examples.train_gpt:gpt`` (the defaults are this
+    script's, so the plan's fingerprint matches the model it trains)."""
+    args = argparse.Namespace(vocab=vocab, hidden=hidden, layers=layers, heads=heads, seq=seq)
+    return build_gpt(args), (torch.zeros(batch, seq, dtype=torch.long),)
 
 
 def batch(step: int, *, rows: int, seq: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -74,12 +74,10 @@ def _shape(plan) -> tuple[int, int]:
     return c.nodes, c.gpus_per_node
 
 
-def torchrun_args(*, nnodes: str, nproc: int, endpoint: str, rdzv_id: str, max_restarts: int,
-                  node_rank: int | None) -> list[str]:
-    """torchrun's options for one node (``node_rank`` None: let the c10d rendezvous number the nodes)."""
+def torchrun_args(*, nnodes: str, nproc: int, endpoint: str, rdzv_id: str, max_restarts: int) -> list[str]:
+    """torchrun's options, the same on every node: the c10d rendezvous numbers the nodes (GROUP_RANK; torchrun
+    ignores ``--node-rank`` under c10d)."""
     out = ["--nnodes", nnodes]
-    if node_rank is not None:
-        out += ["--node-rank", str(node_rank)]
     out += ["--nproc-per-node", str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
             "--rdzv-id", rdzv_id, "--max-restarts", str(max_restarts)]
     return out
@@ -108,24 +106,25 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_OK
     endpoint = f"{args.master_addr}:{args.port}"
     cmds = [["torchrun", *torchrun_args(nnodes=nnodes, nproc=per_node, endpoint=endpoint, rdzv_id=rdzv_id,
-                                        max_restarts=args.max_restarts, node_rank=i), *script] for i in range(nodes)]
+                                        max_restarts=args.max_restarts), *script] for _ in range(nodes)]
     if args.json:
         print(json.dumps({"nodes": nodes, "nnodes": nnodes, "nproc_per_node": per_node,
                           "env": {SHARE_STORE_ENV: "1"}, "commands": cmds}, indent=1))
         return EXIT_OK
     print(f"# {summary}")
-    print(f"# run on each node; node 0 is {args.master_addr}, the rendezvous host")
+    print(f"# the rendezvous is on {args.master_addr}; the c10d rendezvous numbers the nodes (GROUP_RANK)")
     for i, cmd in enumerate(cmds):
-        print(f"# node {i}")
+        print(f"# node {i} of {nodes}")
         print(f"{SHARE_STORE_ENV}=1 {shlex.join(cmd)}")
     return EXIT_OK
 
 
 def _sbatch(plan, *, script: list[str], nodes: int, per_node: int, nnodes: str, port: int, max_restarts: int,
             summary: str) -> str:
-    gpus = "" if plan.cluster.gpu.lower() in ("cpu", "") else f"#SBATCH --gpus-per-node={per_node}\n"
+    cpu = plan.cluster.gpu.lower().startswith("cpu") or not plan.cluster.gpu
+    gpus = "" if cpu else f"#SBATCH --gpus-per-node={per_node}\n"
     cmd = ["torchrun", *torchrun_args(nnodes=nnodes, nproc=per_node, endpoint="__ENDPOINT__", rdzv_id="__ID__",
-                                      max_restarts=max_restarts, node_rank=None), *script]
+                                      max_restarts=max_restarts), *script]
     line = shlex.join(cmd).replace("__ENDPOINT__", f'"$head_node:{port}"').replace("__ID__", '"$SLURM_JOB_ID"')
     return (
         "#!/bin/bash\n"
@@ -152,7 +151,7 @@ def _run_local(args: argparse.Namespace, *, script: list[str], nodes: int, per_n
     for i in range(nodes):
         cmd = [args.python, "-m", "torch.distributed.run",
                *torchrun_args(nnodes=nnodes, nproc=per_node, endpoint=endpoint, rdzv_id=rdzv_id,
-                              max_restarts=args.max_restarts, node_rank=i), *script]
+                              max_restarts=args.max_restarts), *script]
         print(shlex.join(cmd), flush=True)
         procs.append(subprocess.Popen(cmd, env=env))
     try:
