@@ -15,15 +15,18 @@ With ``--checkpoint-dir`` it saves every ``--checkpoint-every`` steps and, start
 ``--max-restarts``, on the same or another number of ranks), continues from the latest complete checkpoint: step
 ``s`` always trains on batch ``s``. ``--losses-out`` writes ``{"1": loss, ...}``: each step this run trained,
 counted from 1, and its global loss. ``--fail-at N`` makes the last rank exit inside step N's loss (mid-step) on
-the first attempt only (TORCHELASTIC_RESTART_COUNT=0), to try the restart.
+the first attempt only (TORCHELASTIC_RESTART_COUNT=0), to try the restart; ``--lose-node-at N`` kills the torchrun
+agent and ranks of the node started with AUTOPAR_LOSE_THIS_NODE=1 inside step N, to try ``--nnodes MIN:MAX``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -109,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout-s", type=float, default=None,
                     help="collective timeout: a dead or hung rank fails the others after this (default 600 s)")
     ap.add_argument("--fail-at", type=int, default=None, help=argparse.SUPPRESS)  # tests: the last rank exits
+    ap.add_argument("--lose-node-at", type=int, default=None, help=argparse.SUPPRESS)  # tests: the last node dies
     args = ap.parse_args(argv)
 
     info = init_distributed(timeout_s=args.timeout_s)
@@ -119,13 +123,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.checkpoint_dir:
         ckpt = {"checkpoint_dir": args.checkpoint_dir, "checkpoint_every": args.checkpoint_every,
                 "checkpoint_keep": args.checkpoint_keep}
-    dying = args.fail_at is not None and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    agent = os.getppid()  # torchrun's agent on this node
+    lose_this_node = os.environ.get("AUTOPAR_LOSE_THIS_NODE") == "1"  # set on the agent of the node to lose
     current = {"step": 0}
 
     def step_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        if dying and current["step"] + 1 == args.fail_at and info.rank == info.world_size - 1:
+        if first_attempt and current["step"] + 1 == args.fail_at and info.rank == info.world_size - 1:
             print(f"rank {info.rank}: exiting inside step {args.fail_at} (--fail-at)", flush=True)
             os._exit(17)  # mid-step: after this step's first forward, before its backward; no cleanup
+        if first_attempt and current["step"] + 1 == args.lose_node_at and lose_this_node and agent > 1:
+            print(f"rank {info.rank}: node {os.environ['GROUP_RANK']} lost inside step {args.lose_node_at} "
+                  "(--lose-node-at: its torchrun agent is killed)", flush=True)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(agent, signal.SIGKILL)
+            os._exit(17)
         return loss_fn(logits, targets)
 
     if args.manual:

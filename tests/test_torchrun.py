@@ -9,6 +9,10 @@ on 127.0.0.1), gloo ranks on CPU. Each launch imports torch + transformers in ev
 - kill and restart: 4 ranks under ``--max-restarts 1``, the last rank exits inside step 6 (``--fail-at``); torchrun
   restarts the group, which resumes from the last complete checkpoint; every step it runs has the uninterrupted
   run's loss bitwise (same plan, same world size, same reduction order);
+- a lost node under ``--nnodes 1:2``: two agents (2 ranks each) train; inside step 6 the second node's agent and
+  ranks are killed (``--lose-node-at``); the survivors' ``RankFailureError`` names ranks 2 and 3, torchrun restarts
+  the one node left, ``plan=None`` plans for its 2 ranks, the run resumes from the last complete checkpoint and its
+  losses agree with the uninterrupted 4-rank run within 1e-4 relative;
 - placement: ``autopar launch plan.json --local`` starts two torchrun agents (2 ranks each) standing for the two
   nodes of a tp2 x dp2 plan; every rank's tp group holds ranks of its own GROUP_RANK and its dp group one rank of
   each node; the losses equal the single-process model's (``runtime_cases.reference_run``, rtol 1e-4 / atol 1e-5);
@@ -110,6 +114,51 @@ def test_rank_killed_mid_step_is_restarted_and_resumes(tmp_root, uninterrupted):
     assert sorted(losses) == list(range(resumed, 9))
     for step, loss in losses.items():
         assert loss == uninterrupted[step], f"step {step}: after restart {loss} vs uninterrupted {uninterrupted[step]}"
+
+
+def test_lost_node_shrinks_the_world_and_training_continues(tmp_root, uninterrupted):
+    port = free_port()
+    out = tmp_root / "lost.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2", "--max-restarts",
+           "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "lost",
+           "--monitor-interval", "0.5", "--rdzv-conf", "last_call_timeout=1,join_timeout=120", *TRAIN, "--steps", "8",
+           "--checkpoint-dir", str(tmp_root / "ck_lost"), "--losses-out", str(out), "--lose-node-at", "6"]
+    env = {**_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    agents = [subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+    _wait_listening(port)  # the first agent hosts the rendezvous store; the second is the node that is lost
+    agents.append(subprocess.Popen(cmd, env={**env, "AUTOPAR_LOSE_THIS_NODE": "1"}, cwd=ROOT, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True))
+    try:
+        logs = [a.communicate(timeout=200)[0] for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+    text = "\n".join(logs)
+    assert agents[0].returncode == 0 and agents[1].returncode == -9, text[-4000:]
+    assert "lost inside step 6" in text
+    assert "RankFailureError: ranks 2, 3 of 4 stopped in step 6: died or hung" in text, text[-4000:]
+    assert "world 4:" in text and "world 2:" in text
+    losses = {int(k): v for k, v in json.loads(out.read_text()).items()}
+    resumed = min(losses)
+    assert resumed in (3, 5) and f"resumed from the checkpoint of step {resumed - 1}" in text
+    assert sorted(losses) == list(range(resumed, 9))
+    for step, got in losses.items():
+        want = uninterrupted[step]
+        assert abs(got - want) <= 1e-4 * abs(want), f"step {step}: after losing a node {got} vs {want}"
+
+
+def _wait_listening(port: int, timeout_s: float = 60.0) -> None:
+    import socket
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"no rendezvous store on port {port} after {timeout_s} s")
 
 
 def _plan(tmp: Path, nodes: int) -> Path:
