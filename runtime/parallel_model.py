@@ -55,7 +55,7 @@ from costmodel.errors import ConfigError
 from planner.plan import Plan
 from runtime.checkpoint import Checkpointer
 from runtime.context_parallel import ContextParallel
-from runtime.data_parallel import average_gradients, unwrap
+from runtime.data_parallel import average_gradients, set_microbatch_sync, unwrap
 from runtime.failures import diagnose, is_comm_failure
 from runtime.mesh import batch_rank_and_size, grad_mesh
 from runtime.pipeline import PipelineRunner
@@ -230,7 +230,8 @@ class ParallelModel:
         return loss
 
     def _local_step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
-        """Without a pipeline: the micro-batches in turn (DDP syncs on the last); the loss averaged over dp x cp."""
+        """Without a pipeline: the micro-batches in turn (DDP syncs on the last, FSDP2 per ``gradient_sync``); the loss
+        averaged over dp x cp."""
         n_mb = self._plan.schedule.num_microbatches
         rows = targets.shape[0]
         if rows % n_mb:
@@ -241,6 +242,7 @@ class ParallelModel:
         for i in range(n_mb):
             last = i == n_mb - 1
             sync = self.module.no_sync() if isinstance(self.module, DistributedDataParallel) and not last else contextlib.nullcontext()
+            set_microbatch_sync(self.module, self._plan, last=last)  # FSDP2: ZeRO 1 accumulates, 2 / 3 reduce
             with sync:
                 total += self._micro_step(mb_inputs[i], mb_targets[i], n_mb)
         group = self._grad_group  # the batch ranks, times cp (each holds a per-token mean over equal counts)
