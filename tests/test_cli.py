@@ -56,7 +56,7 @@ def test_every_command_has_json_and_says_its_exit_status():
 
 
 @pytest.mark.parametrize("argv", [["explain", "{f}"], ["diff", "{f}", "{f}"], ["export", "{f}", "--to", "megatron"],
-                                  ["validate", "{f}"]])
+                                  ["validate", "{f}"], ["launch", "{f}", "--", "train.py"]])
 def test_a_binary_plan_file_is_a_clear_error(tmp_path, capsys, argv):
     f = tmp_path / "plan.json"
     f.write_bytes(bytes(range(128, 256)) * 4)
