@@ -37,6 +37,7 @@ from types import MappingProxyType
 from typing import Any, Callable
 
 from costmodel.errors import ConfigError, UnsupportedModelError
+from planner import sink_attention
 from planner.dims import Arch, ModelDims
 from planner.user_code import build_user_model, looks_like_user_spec
 
@@ -363,6 +364,8 @@ def _hf_config_dims(spec: str) -> tuple[ModelDims, Callable]:
             if hasattr(text, name):
                 setattr(c.get_text_config() if hasattr(c, "get_text_config") else c, name, layers)
         kwargs = {"attn_implementation": "sdpa"}
+        if kind in sink_attention.MODEL_TYPES:  # softmax with per-head sinks: no sdpa in transformers
+            kwargs["attn_implementation"] = sink_attention.register()
         if experts:
             kwargs["experts_implementation"] = "batched_mm"
         try:
