@@ -14,7 +14,9 @@ Spec forms (see ``list_presets()`` for the preset names):
   ``mixtral:layers=..,hidden=..,ffn=..,heads=..,kv_heads=..,vocab=..,seq=..,experts=8,topk=2``;
 - a path to a Hugging Face ``config.json`` (or a directory holding one): the causal-LM class of its
   ``model_type``, random init, nothing downloaded; the sequence length is the config's
-  ``max_position_embeddings`` (Qwen2: 131,072) unless ``seq`` says otherwise;
+  ``max_position_embeddings`` (Qwen2: 131,072) unless ``seq`` says otherwise; attention through sdpa, GPT-OSS's
+  attention with sinks (which transformers runs only eagerly or with flex / flash kernels) through
+  ``planner.sink_attention``;
 - ``module.path:function[:key=value,...]``: user code returning ``(model, example_inputs)``, imported from the
   current directory and called with meta as the default device (``planner.user_code``); it may accept ``batch``,
   ``seq`` and the spec's keys as keyword arguments.
