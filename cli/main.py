@@ -21,7 +21,7 @@ from costmodel.errors import AutoparError
 COMMANDS = (
     "trace", "plan", "explain",
     "whatif", "export", "diff",
-    "calibrate", "estimate", "validate",
+    "calibrate", "estimate", "validate", "check",
 )
 
 

@@ -269,6 +269,8 @@ def _layer_columns(uniques: ByIdentity, ctx_key: _CtxKey) -> tuple[tuple[str, ..
         "params": [r.params for r in rows], "xparams": [r.expert_params for r in rows],
         "maxparams": [0.0 if layer.kind in ("embedding", "head") else r.params
                       for r, layer in zip(rows, uniques.obj)],
+        "rootparams": [r.params if layer.kind in ("embedding", "head") else 0.0
+                       for r, layer in zip(rows, uniques.obj)],
     }
     for k in kinds:
         cols[f"cf:{k}"] = [r.comm_fwd.get(k, 0.0) for r in rows]
@@ -352,6 +354,8 @@ def dp_collectives(*, params: float, expert_params: float, bytes_per_param: floa
     ``priced_collectives`` lists. ``bytes_per_param``: of the gradient reductions; ``gather_bytes_per_param``:
     of the parameter all-gathers (None: the same; a quantized gather moves fewer, ``dp_bytes``).
 
+    ZeRO-1 / 2 gather once a step and reduce once (ZeRO-2 ``m`` times where the target reduces every
+    micro-batch, ``StepConstants.zero2_reduce_per_microbatch``).
     ZeRO-3 gathers and reduces parameters module by module: ``layers`` transformer layers on the rank times
     ``StepConstants.zero3_collectives_per_layer`` collectives per pass, plus one for the rank's other entries
     (embedding, head), each on its share of the bytes."""
@@ -362,7 +366,8 @@ def dp_collectives(*, params: float, expert_params: float, bytes_per_param: floa
         if zero_stage == 0:
             parts = [("all_reduce", 1)]
         elif zero_stage in (1, 2):
-            parts = [("reduce_scatter", 1), ("all_gather", 1)]
+            reduces = m if zero_stage == 2 and k.zero2_reduce_per_microbatch else 1
+            parts = [("reduce_scatter", reduces), ("all_gather", 1)]
         else:
             gathers = 2 + (1 if recompute == "full" and k.zero3_passes_recompute else 0)
             parts = [("all_gather", gathers * m), ("reduce_scatter", m)]
@@ -527,8 +532,8 @@ def _data_parallel(workload: Workload, cfg: ParallelConfig, parts: tuple[Cluster
         lk, t = memo[key]
         if not cfg.overlap_grad_reduce or not _can_overlap(parts[key[3]]):
             window = 0.0
-        elif cfg.zero_stage == 3:
-            window = pipe["total_s"]
+        elif cfg.zero_stage == 3 or (cfg.zero_stage == 2 and k.zero2_reduce_per_microbatch and m > 1):
+            window = pipe["total_s"]  # reductions spread over every micro-batch's backward
         elif cfg.zero_stage > 0 and k.overlap_param_gather:  # the gather overlaps the next step's forward
             window = rank_l[r]
         else:
@@ -570,20 +575,51 @@ def _inflight(schedule: str, pp: int, m: int, v: int) -> np.ndarray:
     return out
 
 
-def _model_states(workload: Workload, cfg: ParallelConfig, target: Target, dense: np.ndarray,
-                  expert: np.ndarray) -> dict[str, np.ndarray]:
-    """Weights, gradients and optimizer states per pipeline rank under the target's layout for ``cfg`` (its
-    ``[memory.*]`` mode), plus the precision's quantized weight copies (sharded with the weights under ZeRO-3)."""
+def _rank_modes(workload: Workload, cfg: ParallelConfig, target: Target, gpu: np.ndarray) -> list:
+    """Per pipeline rank, the target's ``[memory.*]`` mode for ``cfg`` on that rank's device kind."""
     w = workload
-    mode = target.memory_mode(cfg, experts=w.experts, tied_embeddings=w.tied_embeddings, glu=w.glu)
+    modes = {g: target.memory_mode(cfg, experts=w.experts, tied_embeddings=w.tied_embeddings, glu=w.glu, gpu=g)
+             for g in sorted({bool(x) for x in gpu.tolist()})}
+    return [modes[bool(x)] for x in gpu.tolist()]
+
+
+def _model_states(workload: Workload, cfg: ParallelConfig, target: Target, dense: np.ndarray,
+                  expert: np.ndarray, modes: list) -> dict[str, np.ndarray]:
+    """Weights, gradients and optimizer states per pipeline rank under the target's layout for ``cfg`` (each
+    rank's ``[memory.*]`` mode, ``modes``), plus the precision's quantized weight copies (sharded with the
+    weights under ZeRO-3)."""
     extra = target.constants.precision(cfg.precision).weight_bytes_per_param
-    terms: dict[str, np.ndarray] = {}
+    terms = {t: np.zeros(cfg.pp) for t in ("weights", "gradients", "optimizer")}
     for params, d in ((dense, cfg.dp * cfg.cp), (expert, max(1, cfg.dp // cfg.ep) * cfg.cp)):
-        per = mode.term_bytes_per_param(d)
-        per["weights"] += extra / (d if cfg.zero_stage == 3 else 1)
-        for key, b in per.items():
-            terms[key] = terms.get(key, 0.0) + params * b
+        per = [mode.term_bytes_per_param(d) for mode in modes]
+        for key in terms:
+            b = np.array([p[key] + (extra / (d if cfg.zero_stage == 3 else 1) if key == "weights" else 0.0)
+                          for p in per])
+            terms[key] = terms[key] + params * b
     return terms
+
+
+def fsdp_buffer_bytes(*, zero_stage: int, dp: int, block_params: float, root_params: float,
+                      grad_bytes: float, gather_bytes: float, reduce_per_microbatch: bool) -> float:
+    """Bytes FSDP2-style sharding holds beyond the model states at the activation peak of one rank
+    (``dp``: the sharding degree; 0 when nothing is sharded):
+
+    - ZeRO-2 / 3 reduce-scatter every micro-batch during the backward (ZeRO-1 / 2 where ``reduce_per_microbatch``:
+      the target's ZeRO-2 reduces every micro-batch, or there is one micro-batch):
+      the flat reduce-scatter input of the block just done, in the reduction dtype (``grad_bytes`` per
+      parameter of the rank's largest block, ``block_params``); ZeRO-3 two of them (one in flight while the next
+      is filled, FSDP2's ``reduce_scatter_max_input_buffers`` = 1 plus the new one; measured on a live-storage
+      counter, ``tests/test_memory_truth.py``).
+    - ZeRO-3 also holds the root module's parameters gathered for the whole step (FSDP2 does not reshard the
+      root after forward: the embedding, final norm and head of the rank, ``root_params``) and two blocks' (the
+      one computing and the one prefetched, FSDP2's default of one module ahead), in the gather dtype.
+    """
+    if dp <= 1 or zero_stage == 0 or (zero_stage in (1, 2) and not reduce_per_microbatch):
+        return 0.0
+    staging = (2.0 if zero_stage == 3 else 1.0) * block_params * grad_bytes
+    if zero_stage < 3:
+        return staging
+    return staging + (root_params + 2.0 * block_params) * gather_bytes
 
 
 def _memory(workload: Workload, cfg: ParallelConfig, ch: dict[str, np.ndarray], dense: np.ndarray,
@@ -594,14 +630,24 @@ def _memory(workload: Workload, cfg: ParallelConfig, ch: dict[str, np.ndarray], 
     or maxed per chunk)."""
     w, pp, v = workload, cfg.pp, cfg.virtual_stages
     inflight = _inflight(cfg.schedule, pp, m, v)
-    terms = _model_states(w, cfg, target, dense, expert)
+    modes = _rank_modes(w, cfg, target, gpu)
+    terms = _model_states(w, cfg, target, dense, expert, modes)
     tokens = cfg.microbatch * w.seq / cfg.cp
     terms["activations"] = _per_rank(ch["act"], v, pp) * inflight + _per_rank(ch["work"], v, pp, "max")
     terms["logits"] = _per_rank(ch["head_work"], v, pp, "max")
     buffers = mc.bucket_bytes + (2.0 * tokens * w.hidden * w.dtype_bytes if cfg.tp > 1 else 0.0)
     buffers = np.full(pp, buffers)
-    if cfg.zero_stage == 3:  # two layers' gathered parameters (prefetch)
-        buffers = buffers + 2.0 * _per_rank(ch["maxparams"], v, pp, "max") * mc.weight_bytes
+    block = _per_rank(ch["maxparams"], v, pp, "max")
+    grad_b, gather_b = dp_bytes(w, cfg, target.constants)
+    root = _per_rank(ch["rootparams"], v, pp)
+    each = (cfg.zero_stage == 2 and target.constants.zero2_reduce_per_microbatch) or m == 1
+    for r, mode in enumerate(modes):
+        if mode.fsdp2:
+            buffers[r] += fsdp_buffer_bytes(zero_stage=cfg.zero_stage, dp=cfg.dp * cfg.cp, block_params=float(block[r]),
+                                            root_params=float(root[r]), grad_bytes=grad_b, gather_bytes=gather_b,
+                                            reduce_per_microbatch=each)
+        elif cfg.zero_stage == 3:  # two layers' gathered parameters (prefetch)
+            buffers[r] += 2.0 * float(block[r]) * mc.weight_bytes
     terms["comm_buffers"] = buffers
     subtotal = sum(terms.values())
     terms["allocator_reserve"] = np.where(gpu, mem.allocator_reserve_bytes(subtotal, mc), 0.0)

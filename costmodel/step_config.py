@@ -64,6 +64,9 @@ class StepConstants:
     - ``elementwise_replicated_bytes`` / ``elementwise_ffn_bytes``: norms, dropout, residuals / bias + activation
       (the closed-form oracle; a traced block has its own ops).
     - ``optimizer_bytes_per_param``: Adam's memory traffic per parameter.
+    - ``loss_bytes_per_logit``: what the loss holds per logit element besides the logits themselves, at its
+      peak (the start of its backward): eager cross-entropy keeps the fp32 log-softmax output and makes its
+      incoming and outgoing gradients in fp32 (12); a fused vocab-parallel cross-entropy one fp32 buffer (4).
 
     Overlaps:
 
@@ -78,6 +81,8 @@ class StepConstants:
     - ``zero3_passes_recompute``: a recomputed layer gathers its parameters again (four passes, not three).
     - ``zero3_collectives_per_layer``: parameter gathers / gradient reductions per layer and pass, each paying
       the ring latency.
+    - ``zero2_reduce_per_microbatch``: ZeRO-2 reduce-scatters every micro-batch's gradients (m reductions a
+      step, overlapped with every backward) rather than accumulating them and reducing once.
 
     Communication: ``grad_reduce_bytes`` per gradient element of the data-parallel reduction,
     ``param_gather_bytes`` per parameter of the parameter all-gather (None: the workload's bytes per element,
@@ -94,6 +99,7 @@ class StepConstants:
     elementwise_replicated_bytes: float
     elementwise_ffn_bytes: float
     optimizer_bytes_per_param: float
+    loss_bytes_per_logit: float
     overlap_slowdown: float
     overlap_param_gather: bool
     tp_comm_exposed: float
@@ -101,6 +107,7 @@ class StepConstants:
     zero3_flat_nic: bool
     zero3_passes_recompute: bool
     zero3_collectives_per_layer: int
+    zero2_reduce_per_microbatch: bool
     grad_reduce_bytes: float | None
     param_gather_bytes: float | None
     precisions: tuple[PrecisionConstants, ...] = ()
