@@ -131,9 +131,10 @@ def test_priced_equals_issued(kind):
 
 def test_zero_stages_issue_what_fsdp2_issues():
     """FSDP2 units (2 blocks + root) x 2 micro-batches: ZeRO-3 gathers each unit in forward and again in
-    backward, ZeRO-2 once; both reduce-scatter each unit every micro-batch; DDP all-reduces once per step."""
+    backward every micro-batch; ZeRO-2 once a step (it reshards after the step's last backward only); both
+    reduce-scatter each unit every micro-batch; DDP all-reduces once per step."""
     assert issued("zero3")[0][("dp", "all_gather")][0] == 3 * 2 * 2
-    assert issued("zero2")[0][("dp", "all_gather")][0] == 3 * 2
+    assert issued("zero2")[0][("dp", "all_gather")][0] == 3
     assert issued("zero2")[0][("dp", "reduce_scatter")][0] == issued("zero3")[0][("dp", "reduce_scatter")][0] == 6
     assert issued("ddp")[0][("dp", "all_reduce")][0] == 1
 
@@ -168,8 +169,9 @@ def test_expert_parallel_token_traffic():
 
 
 def test_dp_collectives_follow_the_target():
-    """autopar (DDP, FSDP2): ZeRO-0 in DDP's buckets (1 MiB first, then 25 MB), ZeRO-2 per unit and micro-batch;
-    Megatron's distributed optimizer: one all-reduce, one reduce-scatter + one gather per step."""
+    """autopar (DDP, FSDP2): ZeRO-0 in DDP's buckets (1 MiB first, then 25 MB), ZeRO-2 per unit (reduced every
+    micro-batch, gathered once); Megatron's distributed optimizer: one all-reduce, one reduce-scatter + one
+    gather per step."""
     from costmodel.step import dp_collectives
     from costmodel.targets import load_target
 
@@ -179,10 +181,10 @@ def test_dp_collectives_follow_the_target():
     assert z0[1:] == ("all_reduce", pytest.approx(7.2e6 / 2), 2)  # 1 MiB + the rest under 25 MB
     assert dp_collectives(k=ours, zero_stage=0, **{**args, "params": 2e5})[0][3] == 1
     assert dp_collectives(k=megatron, zero_stage=0, **args)[0][3] == 1
-    (rep,) = dp_collectives(k=ours, zero_stage=0, tensor_parallel=True, **args)  # FSDP2 replicate: units x m
-    assert rep[1:] == ("all_reduce", pytest.approx(7.2e6 / 3), 3 * 3)
+    (rep,) = dp_collectives(k=ours, zero_stage=0, tensor_parallel=True, **args)  # FSDP2 replicate: per unit
+    assert rep[1:] == ("all_reduce", pytest.approx(7.2e6 / 3), 3)
     assert dp_collectives(k=megatron, zero_stage=0, tensor_parallel=True, **args)[0][3] == 1
     z2 = {op: (nbytes, count) for _, op, nbytes, count in dp_collectives(k=ours, zero_stage=2, **args)}
-    assert z2 == {"reduce_scatter": (pytest.approx(7.2e6 / 3), 3 * 3), "all_gather": (pytest.approx(7.2e6 / 3), 3 * 3)}
+    assert z2 == {"reduce_scatter": (pytest.approx(7.2e6 / 3), 3 * 3), "all_gather": (pytest.approx(7.2e6 / 3), 3)}
     z2m = {op: (nbytes, count) for _, op, nbytes, count in dp_collectives(k=megatron, zero_stage=2, **args)}
     assert z2m == {"reduce_scatter": (pytest.approx(7.2e6), 1), "all_gather": (pytest.approx(7.2e6), 1)}

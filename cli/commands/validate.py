@@ -9,8 +9,10 @@ many ranks as the plans use (so prediction and measurement see the machine in th
 be shared) and prices the plans with it; each plan's ranks then measure the compute rates again right after
 their steps (~15 s), all at once. Every plan is then priced with those sweeps pooled (per calibration point the
 median over the plans: on 2 cores at load 15-25 one 15 s sweep was up to 2.3x off the next for the same work),
-``own s`` with its own sweep alone (``--own-calibration`` makes that the prediction). Plans are planned and
-priced for the dtype that runs (``plan_model(compute_dtype=)``: fp32 here moves 4 bytes per element).
+``own s`` with its own sweep alone (``--own-calibration`` makes that the prediction). ``--in-turns`` runs
+plans of one world size in the same ranks, a step of each in turn, then one sweep: the load moves every plan
+alike (step times only). Plans are planned and priced for the dtype that runs (``plan_model(compute_dtype=)``:
+fp32 here moves 4 bytes per element).
 
 Compute dtype: ``auto`` runs bf16 (what the planner prices) only where the calibration measured bf16 matmuls at
 least as fast as fp32; a CPU without native bf16 emulates it 30-70x slower than fp32 (0.4-2.9 vs 44-90 GFLOP/s
@@ -48,10 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="calibration from `autopar calibrate` (default: the newest in profiles/calibration/)")
     p.add_argument("--calibrate", action="store_true",
                    help="take a quick calibration with the plans' rank count first and price the plans with it")
-    p.add_argument("--one-at-a-time", action="store_true",
-                   help="measure each plan in its own ranks, one after the other (default when the plans share a "
-                   "world size: all in the same ranks, their steps in turns, so a shared machine's load moves "
-                   "every plan alike; memory is then what each plan added to the ranks)")
+    p.add_argument("--in-turns", action="store_true",
+                   help="measure plans of one world size in the same ranks, their steps in turns, so a shared "
+                   "machine's load moves every plan alike (step times only: memory is not measured then)")
     p.add_argument("--own-calibration", action="store_true",
                    help="with --calibrate: price each plan with the compute its own ranks measured right after its "
                    "steps (default: every plan's sweeps pooled, the median per point; `own s` shows both)")
@@ -188,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
           f"{args.warmup} warm-up + {args.steps} measured steps, compute {dtype}", file=sys.stderr)
     measured = []
     out = sys.stderr if args.json else sys.stdout
-    if len(plans) > 1 and len({p.degrees.world_size for p in plans}) == 1 and not args.one_at_a_time:
+    if args.in_turns and len(plans) > 1 and len({p.degrees.world_size for p in plans}) == 1:
         measured = list(zip(plans, _measure_in_turns(args, plans, dtype=dtype, threads=threads)))
         if not args.calibrate:
             print(_format([_row(*m) for m in measured], header=True), flush=True, file=out)
@@ -224,13 +225,18 @@ def run(args: argparse.Namespace) -> int:
 def _row(plan, got) -> dict:
     """One table row. ``measured_s`` is the median step (a shared machine's other jobs slow some steps; the
     calibration, measured with the same ranks at once just before, keeps its median blocks alike),
-    ``fastest_s`` the fastest."""
+    ``fastest_s`` the fastest. ``measured_gb``: the fullest rank's peak live tensor bytes (the memory the plan's
+    ``memory_gb_per_device`` describes; ``runtime.measure.validate``), ``memory_error`` the prediction's error
+    relative to it."""
     import statistics
 
     from runtime.measure.validate import step_times_s
 
     steps = step_times_s(got)
     measured_s = statistics.median(steps)
+    fullest = max(got, key=lambda m: m.peak_live_bytes)
+    # the largest peak of live tensor bytes over ranks (on CUDA: torch.cuda.max_memory_allocated where larger)
+    measured_gb = max(max(m.peak_live_bytes, m.cuda_max_allocated_bytes) for m in got) / 1e9
     predicted_s = plan.prediction.step_time_s
     return {
         "plan": _label(plan),
@@ -239,7 +245,13 @@ def _row(plan, got) -> dict:
         "fastest_s": min(steps),
         "error": (predicted_s - measured_s) / measured_s,
         "predicted_gb": plan.prediction.memory_gb_per_device,
-        "measured_gb": max(m.model_rss_bytes for m in got) / 1e9,
+        "measured_gb": measured_gb,
+        "memory_error": (plan.prediction.memory_gb_per_device - measured_gb) / measured_gb if measured_gb else None,
+        "measured_by_category_gb": {k: v / 1e9 for k, v in fullest.live_bytes.items()},
+        "measured_peak_where": fullest.peak_live_where,
+        "per_rank_live_gb": [m.peak_live_bytes / 1e9 for m in got],
+        "cuda_max_allocated_gb": max(m.cuda_max_allocated_bytes for m in got) / 1e9,
+        "model_rss_gb": max(m.model_rss_bytes for m in got) / 1e9,
         "peak_rss_gb": max(m.peak_rss_bytes for m in got) / 1e9,
         "per_rank_s": [m.step_time_s for m in got],
         "breakdown_s": dict(plan.prediction.breakdown_s),
@@ -250,11 +262,12 @@ def _format(rows: list[dict], *, header: bool) -> str:
     lines = []
     if header:
         lines.append(f"{'plan':<36} {'pred s':>8} {'meas s':>8} {'error':>7} {'best s':>8} {'own s':>7} {'pred GB':>8} "
-                     f"{'meas GB':>8} {'RSS GB':>7}  per-rank median s")
+                     f"{'meas GB':>8} {'mem err':>7} {'RSS GB':>7}  per-rank median s")
     for r in rows:
         ranks = " ".join(f"{t:.3f}" for t in r["per_rank_s"])
         own = f"{r['own_s']:>7.3f}" if "own_s" in r else f"{'-':>7}"
+        mem_err = "-" if r["memory_error"] is None else f"{100 * r['memory_error']:+.1f}%"
         lines.append(f"{r['plan']:<36} {r['predicted_s']:>8.3f} {r['measured_s']:>8.3f} {100 * r['error']:>+6.1f}% "
-                     f"{r['fastest_s']:>8.3f} {own} {r['predicted_gb']:>8.3f} {r['measured_gb']:>8.3f} "
+                     f"{r['fastest_s']:>8.3f} {own} {r['predicted_gb']:>8.3f} {r['measured_gb']:>8.3f} {mem_err:>7} "
                      f"{r['peak_rss_gb']:>7.3f}  {ranks}")
     return "\n".join(lines)
