@@ -394,6 +394,13 @@ def dp_collectives(*, params: float, expert_params: float, bytes_per_param: floa
     return tuple(out)
 
 
+def _tp_sharded(workload: Workload, cfg: ParallelConfig, dense_per_device: float) -> bool:
+    """Whether tensor parallelism splits any dense parameter (``dense_per_device``: the devices' dense parameters
+    summed over pipeline ranks, below the model's): the runtime's parameters are then DTensors."""
+    full = sum(layer.params - layer.expert_params for layer in workload.layers)
+    return cfg.tp > 1 and dense_per_device < full * (1.0 - 1e-9)
+
+
 def ddp_buckets(nbytes: float, k: StepConstants) -> int:
     """All-reduces of ``nbytes`` of ZeRO-0 gradients: a first bucket of ``k.first_bucket_bytes`` and the rest in
     buckets of ``k.last_bucket_bytes`` (torch DDP fills each until it reaches its cap: parameter boundaries make
@@ -414,14 +421,15 @@ def dp_bytes(workload: Workload, cfg: ParallelConfig, k: StepConstants) -> tuple
 
 @functools.lru_cache(maxsize=16384)
 def _dp_comm(wb: tuple[float, float], cluster: ByIdentity, dense: float, expert: float, m: int, k: StepConstants, *,
-             dp: int, cp: int, tp: int, ep: int, zero_stage: int, recompute: str, layers: int) -> tuple[str, float]:
+             dp: int, cp: int, tp: int, ep: int, zero_stage: int, recompute: str, layers: int,
+             tp_sharded: bool = False) -> tuple[str, float]:
     """Seconds of data-parallel traffic per step for one pipeline rank (``dp_collectives``), and its link kind
     (pure: memoized)."""
     groups = {"dense": Group(size=dp * cp, stride=tp), "expert": Group(size=max(1, dp // ep) * cp, stride=tp * ep)}
     total, kind, largest = 0.0, "", 0.0
     for group, op, nbytes, count in dp_collectives(params=dense, expert_params=expert, bytes_per_param=wb[0], m=m,
                                                     k=k, zero_stage=zero_stage, recompute=recompute, layers=layers,
-                                                    gather_bytes_per_param=wb[1], tensor_parallel=tp > 1):
+                                                    gather_bytes_per_param=wb[1], tensor_parallel=tp_sharded):
         lk, t = _dp_collective(op, nbytes, groups[group], cluster.obj, flat=zero_stage == 3 and k.zero3_flat_nic)
         if t * count > largest:  # the link kind of the largest contribution names the traffic
             kind, largest = lk, t * count
@@ -540,7 +548,7 @@ def _can_overlap(cluster: Cluster) -> bool:
 
 def _data_parallel(workload: Workload, cfg: ParallelConfig, parts: tuple[Cluster, ...], classes: tuple[int, ...],
                    dense: np.ndarray, expert: np.ndarray, layers: np.ndarray, pipe: dict, m: int,
-                   k: StepConstants) -> dict:
+                   k: StepConstants, tp_sharded: bool = False) -> dict:
     """Exposed dp seconds and optimizer seconds: the slowest pipeline rank of each, each rank's dp groups on
     its own node groups (``parts[classes[r]]``) and its optimizer on its own device."""
     memo: dict[tuple[float, float, int, int], tuple[str, float]] = {}
@@ -555,7 +563,7 @@ def _data_parallel(workload: Workload, cfg: ParallelConfig, parts: tuple[Cluster
         if key not in memo:
             memo[key] = _dp_comm(wb, ByIdentity(parts[key[3]]), key[0], key[1], m, k, dp=cfg.dp,
                                  cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, zero_stage=cfg.zero_stage,
-                                 recompute=cfg.recompute, layers=key[2])
+                                 recompute=cfg.recompute, layers=key[2], tp_sharded=tp_sharded)
         lk, t = memo[key]
         if not cfg.overlap_grad_reduce or not _can_overlap(parts[key[3]]):
             window = 0.0
@@ -797,7 +805,7 @@ def priced_collectives(workload: Workload, config: ParallelConfig, cluster: Clus
         for group, op, nbytes, count in dp_collectives(
                 params=dense[r], expert_params=expert[r], bytes_per_param=wb[0], m=m, k=target.constants,
                 zero_stage=config.zero_stage, recompute=config.recompute, layers=blocks[r],
-                gather_bytes_per_param=wb[1], tensor_parallel=config.tp > 1):
+                gather_bytes_per_param=wb[1], tensor_parallel=_tp_sharded(workload, config, sum(dense))):
             if (config.dp * config.cp if group == "dense" else max(1, config.dp // config.ep) * config.cp) > 1:
                 add(r, "dp", op, count, nbytes)
     return tuple(out)
@@ -823,7 +831,8 @@ def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_l
     dense = _per_rank(pipe["chunks"]["params"], cfg.virtual_stages, cfg.pp)
     expert = _per_rank(pipe["chunks"]["xparams"], cfg.virtual_stages, cfg.pp)
     tr_per_rank = _blocks_per_rank(ByIdentity(uniques), ByIdentity(counts), cfg.virtual_stages, cfg.pp)
-    dp = _data_parallel(workload, cfg, clusters, classes, dense, expert, tr_per_rank, pipe, m, k)
+    dp = _data_parallel(workload, cfg, clusters, classes, dense, expert, tr_per_rank, pipe, m, k,
+                        tp_sharded=_tp_sharded(workload, cfg, float(dense.sum())))
     breakdown = dict(pipe["parts"])
     if dp["exposed_s"] > 0:
         key = f"comm_{dp['kind']}"
