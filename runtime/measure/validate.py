@@ -256,17 +256,17 @@ def _measure_many(rank: int, plans: list[Plan], factories: list[Callable[[], nn.
         for _ in range(cfg["warmup"]):
             one_step()
         runs.append({"step": one_step, "rss": max(_rss_bytes() - base, 0), "times": [], "losses": []})
-    for _ in range(cfg["steps"]):  # in turns: a shared machine's load moves every plan alike
+    sweep: tuple = ()
+    for i in range(cfg["steps"]):  # in turns: a shared machine's load moves every plan alike
+        if cfg["calibrate_after"] and i == cfg["steps"] // 2:  # the sweep at the steps' midpoint: a load that
+            dist.barrier()  # rises or falls over the run prices the steps as they averaged
+            sweep = compute_sweep(quick_plan(ranks=dist.get_world_size(), cuda=False),
+                                  dispatch_model=cfg["dispatch_model"], barrier=DistBarrier())
         for run in runs:
             dt, loss = run["step"]()
             run["times"].append(dt)
             run["losses"].append(loss)
     dist.barrier()
-    sweep: tuple = ()
-    if cfg["calibrate_after"]:
-        sweep = compute_sweep(quick_plan(ranks=dist.get_world_size(), cuda=False),
-                              dispatch_model=cfg["dispatch_model"], barrier=DistBarrier())
-        dist.barrier()
     return [RankMeasurement(rank=rank, step_times_s=tuple(r["times"]), step_time_s=statistics.median(r["times"]),
                             peak_rss_bytes=r["rss"], base_rss_bytes=0, losses=tuple(r["losses"]),
                             compute_sweep=sweep) for r in runs]
@@ -288,7 +288,9 @@ def measure_plans(
     ..., ``steps`` rounds after ``warmup`` steps each): per plan, one measurement per rank.
 
     On a machine shared with other jobs the load moves within seconds; measured in turns every plan sees it alike,
-    and ``calibrate_after`` takes one compute sweep for all of them right after. Memory: ``model_rss_bytes`` is
+    and ``calibrate_after`` takes one compute sweep for all of them halfway through the rounds (after
+    ``steps // 2``), so a load that drifts over the run prices the steps at their average (a sweep after the
+    steps, with the load falling from 7 to 1, priced every plan 10-33% under). Memory: ``model_rss_bytes`` is
     the resident set the plan's model, optimizer and warm-up step added (``peak_rss_bytes``; ``base_rss_bytes``
     is 0), not a process peak. Arguments as ``measure_plan``'s, one model factory per plan."""
     if not plans or len(plans) != len(model_factories):
