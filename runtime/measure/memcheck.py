@@ -213,7 +213,7 @@ def predicted_for(plan: Plan, pp_rank: int) -> tuple[float, float, dict[str, flo
 
 
 @contextlib.contextmanager
-def _fake_runtime(fake: Any) -> Iterator[None]:
+def _fake_runtime(fake: Any, mt: LiveBytes) -> Iterator[None]:
     """``runtime.parallelize`` materialises as fake tensors (``to_empty`` under ``fake``) and DDP is built under
     ``fake`` (its buckets fake too); the rest of ``apply_plan`` runs as it is (mesh coordinates are real)."""
     import runtime.data_parallel as rdp
@@ -232,7 +232,7 @@ def _fake_runtime(fake: Any) -> Iterator[None]:
 
     class FakeDDP(saved[1]):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
-            with fake:
+            with fake, mt.phase("comm_buffers", mt.where):  # its gradient buckets
                 super().__init__(*args, **kwargs)
 
     rp.materialize, rdp.DistributedDataParallel = materialize, FakeDDP
@@ -283,7 +283,7 @@ def check_rank(plan: Plan, rank: int, *, model_factory: Callable[[], nn.Module] 
         mesh = build_mesh(plan, device_type="cpu")
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         mt = LiveBytes()
-        with fake, mt, fsdp_comm_labels(mt), _fake_runtime(fake):
+        with fake, mt, fsdp_comm_labels(mt), _fake_runtime(fake, mt):
             with unset_fake_temporarily(), mt.phase("other", "setup"):
                 pm = apply_plan(model, plan, mesh=mesh, loss_fn=lm_loss, seed=0)
             params = list(pm.parameters())
