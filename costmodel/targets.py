@@ -12,8 +12,9 @@ one into a frozen ``Target``:
 - ``Target.refusals(config, experts=, tied_embeddings=, glu=)``: why the target cannot run a
   ``ParallelConfig``, one message per rule, each naming the numbers and the fix ([[cannot_run]] tables, and a
   precision without a [precision.<name>] table);
-- ``Target.memory_mode(config, ...)``: the target's sharding mode for that configuration (the first
-  ``[memory.<mode>]`` table whose ``when`` holds);
+- ``Target.memory_mode(config, ..., gpu=)``: the target's sharding mode for that configuration on a GPU or CPU
+  rank (the first ``[memory.<mode>]`` table whose ``when`` holds; ``fsdp2 = true`` marks a layout sharded by
+  torch FSDP2, whose staging buffers the step model adds);
 - ``Target.model_state_bytes(params=, mode=, dp=)``: weights, gradients and optimizer states of ``params``
   parameters under ``mode`` over a data-parallel degree ``dp``: ``replicated + sharded / dp`` bytes each.
 
@@ -34,7 +35,7 @@ from typing import Any, Callable
 
 from costmodel.errors import ConfigError, ProfileError
 from costmodel.profiles import PROFILES_DIR
-from costmodel.step_config import PRECISIONS, ParallelConfig, PrecisionConstants, StepConstants
+from costmodel.step_config import P2P_BOUNDARIES, PRECISIONS, ParallelConfig, PrecisionConstants, StepConstants
 
 TARGETS_DIR = PROFILES_DIR / "targets"
 TARGET_NAMES = ("autopar", "megatron", "torchtitan", "deepspeed")
@@ -44,17 +45,19 @@ STATE_TERMS = ("weights", "gradients", "optimizer")
 FACTS: dict[str, type] = {
     "tp": int, "pp": int, "dp": int, "cp": int, "ep": int, "zero_stage": int, "virtual_stages": int,
     "microbatch": int, "experts": int, "schedule": str, "recompute": str, "sequence_parallel": bool,
-    "moe": bool, "tied_embeddings": bool, "glu": bool, "precision": str,
+    "moe": bool, "tied_embeddings": bool, "glu": bool, "precision": str, "microbatches": int, "gpu": bool,
 }
 # Constant tables and the StepConstants fields each holds, with their types.
 CONSTANT_TABLES: dict[str, dict[str, type]] = {
     "kernels": {"sustained_compute": float, "tp_fused_input_projections": bool, "fused_memory_bound": bool,
                 "selective_recompute": str, "expert_gemm_efficiency": float, "softmax_bytes": float,
                 "elementwise_replicated_bytes": float, "elementwise_ffn_bytes": float,
-                "optimizer_bytes_per_param": float},
+                "optimizer_bytes_per_param": float, "loss_bytes_per_logit": float},
     "overlap": {"overlap_slowdown": float, "overlap_param_gather": bool, "tp_comm_exposed": float,
                 "last_bucket_bytes": float, "zero3_flat_nic": bool, "zero3_passes_recompute": bool,
-                "zero3_collectives_per_layer": int},
+                "zero3_collectives_per_layer": int,
+                "zero2_reduce_per_microbatch": bool},
+    "pipeline": {"p2p_boundary": str, "recv_buffers_per_microbatch": bool},
     "comm": {"grad_reduce_bytes": float, "param_gather_bytes": float},
 }
 _CONSTANT_TYPES = {k: t for table in CONSTANT_TABLES.values() for k, t in table.items()}
@@ -67,10 +70,13 @@ _COMPARE: dict[str, Callable[[int, int], bool]] = {
 
 
 def config_facts(config: ParallelConfig, *, experts: int = 0, tied_embeddings: bool = False,
-                 glu: bool = True) -> dict[str, Any]:
-    """The facts rules test: the configuration's degrees and knobs plus the model's experts, tied embeddings
-    and gated MLP (``glu``: SwiGLU, the Llama family, as opposed to a GeLU MLP)."""
+                 glu: bool = True, gpu: bool = True) -> dict[str, Any]:
+    """The facts rules test: the configuration's degrees and knobs (``microbatches``: per step and data-parallel
+    rank, 0 while the micro-batch is not chosen) plus the model's experts, tied embeddings and gated MLP
+    (``glu``: SwiGLU, the Llama family, as opposed to a GeLU MLP), and whether the device is a GPU (``gpu``:
+    a runtime may lay out memory differently on CPU ranks)."""
     return {
+        "microbatches": config.num_microbatches if config.microbatch else 0, "gpu": gpu,
         "tp": config.tp, "pp": config.pp, "dp": config.dp, "cp": config.cp, "ep": config.ep,
         "zero_stage": config.zero_stage, "virtual_stages": config.virtual_stages or 1,
         "microbatch": config.microbatch or 0, "schedule": config.schedule, "recompute": config.recompute,
@@ -132,6 +138,9 @@ class MemoryMode:
     gradients: StateTerm
     optimizer: StateTerm
     source: str
+    fsdp2: bool = False
+    """Sharded by torch FSDP2 (``fully_shard``): its reduce-scatter staging buffers and, at ZeRO-3, its gathered
+    root module and prefetched blocks are held too (``costmodel.step.fsdp_buffer_bytes``)."""
 
     def bytes_per_param(self, dp: int) -> float:
         return sum(getattr(self, t).bytes_per_param(dp) for t in STATE_TERMS)
@@ -202,9 +211,10 @@ class Target:
         return out
 
     def memory_mode(self, config: ParallelConfig, *, experts: int = 0, tied_embeddings: bool = False,
-                    glu: bool = True) -> MemoryMode:
-        """The first mode whose ``when`` holds for ``config`` (ProfileError when none does)."""
-        facts = config_facts(config, experts=experts, tied_embeddings=tied_embeddings, glu=glu)
+                    glu: bool = True, gpu: bool = True) -> MemoryMode:
+        """The first mode whose ``when`` holds for ``config`` on a GPU (``gpu``) or CPU rank (ProfileError when
+        none does)."""
+        facts = config_facts(config, experts=experts, tied_embeddings=tied_embeddings, glu=glu, gpu=gpu)
         for mode in self.modes:
             if all(c.holds(facts) for c in mode.when):
                 return mode
@@ -314,14 +324,16 @@ def _load(path: str) -> Target:
 
 
 SELECTIVE = ("attention", "op")
+_CHOICES: dict[str, tuple[str, ...]] = {"selective_recompute": SELECTIVE, "p2p_boundary": P2P_BOUNDARIES}
 
 
 def _constant(value: Any, kind: type, path: str, where: str) -> Any:
     if value == "model" and where.startswith("comm."):
         return None  # the workload's own bytes per element (the dtype the parameters train in)
     if kind is str:
-        if value not in SELECTIVE:
-            raise ProfileError(f"{path}: [{where}] = {value!r}; choose one of {', '.join(SELECTIVE)}")
+        choices = _CHOICES[where.rsplit(".", 1)[-1]]
+        if value not in choices:
+            raise ProfileError(f"{path}: [{where}] = {value!r}; choose one of {', '.join(choices)}")
         return value
     if kind is bool:
         ok = isinstance(value, bool)
@@ -420,11 +432,14 @@ def _mode(name: str, data: Any, path: str) -> MemoryMode:
     where = f"memory.{name}"
     if not isinstance(data, dict):
         raise ProfileError(f"{path}: [{where}] must be a table")
-    _check_keys(data, ("when", "description", "source", *STATE_TERMS), path, where)
+    _check_keys(data, ("when", "description", "source", "fsdp2", *STATE_TERMS), path, where)
     terms = {t: _term(data.get(t, {}), path, f"{where}.{t}") for t in STATE_TERMS}
+    fsdp2 = data.get("fsdp2", False)
+    if not isinstance(fsdp2, bool):
+        raise ProfileError(f"{path}: [{where}] fsdp2 = {fsdp2!r} must be true or false")
     return MemoryMode(name=name, when=_when(data.get("when", {}), path, where),
                       description=_string(data, "description", path, where),
-                      source=_string(data, "source", path, where), **terms)
+                      source=_string(data, "source", path, where), fsdp2=fsdp2, **terms)
 
 
 def _term(data: Any, path: str, where: str) -> StateTerm:

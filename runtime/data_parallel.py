@@ -3,11 +3,18 @@ context parallel, whose ranks hold parts of the same sequences: ``runtime.mesh.g
 
 - ZeRO 3: FSDP2 ``fully_shard`` on every transformer layer (the children of the model's ModuleLists) and on the
   root, ``reshard_after_forward=True``: parameters, gradients and optimizer state sharded (Rajbhandari et al. 2020).
-- ZeRO 2 and ZeRO 1: ``fully_shard(..., reshard_after_forward=False)``. Gradients are reduce-scattered and the
-  optimizer state is sharded (ZeRO 2); the parameters stay gathered from forward to the end of backward (no
-  second all-gather in backward). Approximated: FSDP2 keeps the parameters sharded *between* steps, so the memory
-  at rest is ZeRO 3's, and ZeRO 1 (full gradients, reduced with an all-reduce) cannot be expressed: it runs as
-  ZeRO 2, whose communication volume is the same (reduce-scatter + all-gather = one all-reduce).
+- ZeRO 2 and ZeRO 1: ``fully_shard(..., reshard_after_forward=False)``: the optimizer state is sharded and the
+  parameters stay gathered from the first forward to the last backward of a step (one all-gather per step).
+  FSDP2 keeps the parameters sharded *between* steps. The two differ in gradient accumulation over the plan's
+  micro-batches (``gradient_sync``): ZeRO 2 reduce-scatters every micro-batch's gradients into the sharded
+  gradient (m reduce-scatters a step, gradients sharded); ZeRO 1 accumulates the unsharded gradients and
+  reduce-scatters once, after the last micro-batch (one reduce-scatter a step, full gradients held until
+  then), as torch's pipelining does by default. With one micro-batch they are the same.
+- ZeRO 3 reduce-scatters every micro-batch and reshards after forward and after backward.
+- Mixed precision: on CUDA, FSDP2 ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` (as
+  torchtitan trains): fp32 sharded parameters, gradients and optimizer states, bf16 gathered parameters and
+  compute, gradients reduced in fp32 (``mixed_precision``). On CPU (whose bf16 is emulated) none: parameters
+  are gathered and gradients reduced in the parameters' own dtype.
 - ZeRO 0: ``DistributedDataParallel`` when no parameter is a DTensor; with tensor parallel (DTensor parameters,
   which DDP cannot bucket) FSDP2's replicate (``torch.distributed._composable.replicate_with_fsdp.replicate``:
   parameters replicated over dp, gradients all-reduced). In a pipeline and with expert parallel ZeRO 0 has no
@@ -23,11 +30,12 @@ from __future__ import annotations
 import logging
 from typing import Iterable
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -51,9 +59,40 @@ def wraps_with_ddp(model: nn.Module, *, plan: Plan, mesh: DeviceMesh) -> bool:
             and not any(isinstance(p, DTensor) for p in model.parameters()))
 
 
+def mixed_precision(device_type: str) -> MixedPrecisionPolicy | None:
+    """The FSDP2 mixed-precision policy the runtime shards with on ``device_type``: bf16 parameters for compute
+    and the all-gather, fp32 gradient reduction on CUDA (torchtitan's TrainingConfig defaults); None on CPU."""
+    if device_type == "cuda":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return None
+
+
+def gradient_sync(plan: Plan) -> tuple[bool, bool]:
+    """How FSDP2 treats a micro-batch's backward that is not the step's last: ``(reduce, reshard)``, whether it
+    reduce-scatters the gradients (ZeRO 2 / 3; ZeRO 1 accumulates them unsharded) and whether it reshards the
+    parameters afterwards (ZeRO 3). The last backward of a step always does both."""
+    return plan.zero_stage >= 2, plan.zero_stage == 3
+
+
+def set_microbatch_sync(module: nn.Module, plan: Plan, *, last: bool) -> None:
+    """Set ``gradient_sync`` on the FSDP2 modules of ``module`` for the coming backward (``last``: the step's
+    last micro-batch, which reduces and reshards)."""
+    if not isinstance(module, FSDPModule):
+        return
+    reduce, reshard = gradient_sync(plan)
+    module.set_requires_gradient_sync(reduce or last)
+    module.set_reshard_after_backward(reshard or last)
+    module.set_is_last_backward(reduce or last)
+
+
 def apply_data_parallel(model: nn.Module, *, plan: Plan, mesh: DeviceMesh,
-                        expert_fqns: Iterable[str] = ()) -> nn.Module:
-    """Wrap ``model`` for data parallelism over the batch axis; returns the module to call (DDP may wrap it)."""
+                        expert_fqns: Iterable[str] = (), mp_policy: MixedPrecisionPolicy | None | str = "auto",
+                        blocks: Iterable[nn.Module] | None = None) -> nn.Module:
+    """Wrap ``model`` for data parallelism over the batch axis; returns the module to call (DDP may wrap it).
+
+    ``mp_policy``: the FSDP2 mixed precision of ZeRO 1-3; ``"auto"``: ``mixed_precision`` of the mesh's device.
+    ``blocks``: the modules that get their own FSDP2 unit (None: ``transformer_blocks(model)``; a pipeline chunk
+    passes its layers, which sit in plain containers there, not in a ModuleList)."""
     dp_mesh = grad_mesh(mesh)  # the batch axes, times cp when context parallel
     if dp_mesh.size() == 1:
         return model
@@ -66,20 +105,21 @@ def apply_data_parallel(model: nn.Module, *, plan: Plan, mesh: DeviceMesh,
         log.info("data parallel: DDP over %d ranks", dp_mesh.size())
         return DistributedDataParallel(model, process_group=dp_mesh.get_group())
     if zero == 0:
-        for block in transformer_blocks(model):
+        for block in transformer_blocks(model) if blocks is None else blocks:
             replicate(block, mesh=dp_mesh)
         replicate(model, mesh=dp_mesh)
         log.info("data parallel: FSDP2 replicate (DDP semantics) over %d ranks with DTensor parameters", dp_mesh.size())
         return model
     reshard = zero == 3
-    if zero == 1:
-        log.warning("zero_stage=1 runs as FSDP2 reshard_after_forward=False (ZeRO 2 semantics): see data_parallel")
+    policy = mixed_precision(mesh.device_type) if isinstance(mp_policy, str) else mp_policy
+    kw = {"mp_policy": policy} if policy is not None else {}
     for fqn in expert_fqns:  # the experts' own unit over the ranks that hold them (module docstring)
-        fully_shard(model.get_submodule(fqn), mesh=mesh["dp"], reshard_after_forward=reshard)
-    for block in transformer_blocks(model):
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard)
-    log.info("data parallel: FSDP2 zero=%d over %d ranks", zero, dp_mesh.size())
+        fully_shard(model.get_submodule(fqn), mesh=mesh["dp"], reshard_after_forward=reshard, **kw)
+    for block in transformer_blocks(model) if blocks is None else blocks:
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, **kw)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, **kw)
+    log.info("data parallel: FSDP2 zero=%d over %d ranks%s", zero, dp_mesh.size(),
+             ", bf16 parameters / fp32 reduction" if policy is not None else "")
     return model
 
 

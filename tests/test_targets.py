@@ -92,8 +92,9 @@ def test_autopar_refuses_what_its_runtime_raises():
     ("torchtitan", 2, 1, "2 + 16/d", 2 + 16 / 8),
     ("torchtitan", 3, 4, "6 + 16/d", 6 + 16 / 8),  # pipelining: unsharded bf16 params + fp32 accumulated grads
     ("autopar", 0, 1, "20", 20.0),  # fp32 DDP with its bucket copy of the gradients
-    ("autopar", 1, 1, "4 + 16/d", 4 + 16 / 8),  # ZeRO-1 runs as ZeRO-2
-    ("autopar", 3, 2, "8 + 16/d", 8 + 16 / 8),
+    ("autopar", 1, 1, "6 + 12/d", 6 + 12 / 8),  # CUDA: bf16 gathered params, fp32 accumulated grads
+    ("autopar", 2, 2, "2 + 16/d", 2 + 16 / 8),  # CUDA: reduce-scatter every micro-batch, also pipelined
+    ("autopar", 3, 2, "16/d", 16 / 8),
 ])
 def test_memory_layouts(target, zero, pp, formula, per_param_d8):
     t = load_target(target)
