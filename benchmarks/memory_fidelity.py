@@ -98,14 +98,19 @@ def full_rows() -> list[dict]:
         plan = plan_model(spec, make_cluster(node, nodes), global_batch=batch, record_timings=False)
         t_plan = time.perf_counter() - t0
         t1 = time.perf_counter()
-        got = check_plan(plan, ranks="first,middle,last")
+        from cli.commands.validate import build_model_for
+
+        factory = functools.partial(build_model_for, plan.model.name, plan.global_batch, plan.model.seq_len)
+        got = check_plan(plan, model_factory=factory, ranks="first,middle,last")
         t_check = time.perf_counter() - t1
         for m in got:
             row = {"case": name, "plan": _label(plan), "rank": m.rank, "pp_rank": m.coords["pp"],
                    "predicted_gb": m.predicted_tensors / 1e9, "measured_gb": m.measured_peak / 1e9,
                    "error": m.error, "fits_predicted": plan.prediction.fits, "exceeds_measured": m.exceeds,
-                   "capacity_gb": m.capacity / 1e9, "measured_by_category_gb": {k: v / 1e9 for k, v in m.measured.items()},
-                   "predicted_by_category_gb": None if m.predicted is None else {k: v / 1e9 for k, v in m.predicted.items()},
+                   "capacity_gb": m.capacity / 1e9,
+                   "measured_by_category_gb": {k: v / 1e9 for k, v in m.measured.items()},
+                   "predicted_by_category_gb": None if m.predicted is None else {
+                       k: v / 1e9 for k, v in m.predicted.items()},
                    "peak_where": m.peak_where, "plan_s": t_plan, "check_s": t_check, "rank_s": m.seconds}
             rows.append(row)
             print(_format_full(row), file=sys.stderr, flush=True)

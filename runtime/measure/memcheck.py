@@ -1,14 +1,15 @@
 """Peak memory of a plan's ranks as the runtime would allocate it, measured on fake tensors in this process.
 
-``check_plan(plan, ranks="first,middle,last")`` measures each chosen rank in turn: the default process group is
-torch's ``"fake"`` backend at the plan's world size with this rank's number (collectives return at once,
-nothing is sent), the model is built on the meta device (``planner.models.build_model``) and the plan applied by
-``runtime.apply_plan`` as in a real run, with two changes: the parameters are materialised as fake tensors
-(``to_empty`` under a ``FakeTensorMode``: storages with sizes and no memory; the seeded init is skipped, values
-do not matter here) and the data-parallel wrappers are built under the same mode. Then one training step runs
-on fake token batches (``plan.global_batch`` x ``plan.model.seq_len``, under ``torch.autocast`` bf16 with fp32
-parameters, as ``autopar validate`` runs it) with the optimizer the measurement wing uses (fused AdamW,
-``runtime.measure.validate``) whose states exist from a step before (the steady state of step two onwards):
+``check_plan(plan, model_factory=..., ranks="first,middle,last")`` measures each chosen rank: the default
+process group is torch's ``"fake"`` backend at the plan's world size with this rank's number (collectives return
+at once, nothing is sent), the model is built on the meta device (the caller's factory,
+``cli.commands.validate.build_model_for``) and the plan applied by ``runtime.apply_plan`` as in a real run, with
+two changes: the parameters are materialised as fake tensors (``to_empty`` under a ``FakeTensorMode``: storages
+with sizes and no memory; the seeded init is skipped, values do not matter here) and DDP is built under the
+same mode. Then one training step runs on fake token batches (``plan.global_batch`` x ``plan.model.seq_len``,
+under ``torch.autocast`` bf16 with fp32 parameters, as ``autopar validate`` runs it) with the optimizer the
+measurement wing uses (fused AdamW, ``runtime.measure.validate``) whose states exist from a step before (the
+steady state of step two onwards):
 
 - pp = 1: ``ParallelModel.step`` itself (micro-batches in turn, DDP's ``no_sync`` but on the last, the loss
   all-reduce), then ``optimizer.step()``;
@@ -242,13 +243,6 @@ def _fake_runtime(fake: Any, mt: LiveBytes) -> Iterator[None]:
         rp.materialize, rdp.DistributedDataParallel = saved
 
 
-def build_model_for(spec: str, batch: int, seq: int) -> nn.Module:
-    """The meta-device model of ``spec`` (what ``autopar validate`` builds in each rank)."""
-    from planner.models import build_model
-
-    return build_model(spec, batch=batch, seq=seq, device="meta").model
-
-
 def _hidden_size(model: nn.Module) -> int:
     cfg = getattr(model, "config", None)
     for name in ("hidden_size", "n_embd", "d_model", "word_embed_proj_dim"):
@@ -261,9 +255,10 @@ def _hidden_size(model: nn.Module) -> int:
     raise ConfigError(f"cannot tell the hidden size of {type(model).__name__} for the pipeline buffers")
 
 
-def check_rank(plan: Plan, rank: int, *, model_factory: Callable[[], nn.Module] | None = None,
+def check_rank(plan: Plan, rank: int, *, model_factory: Callable[[], nn.Module],
                microbatches: str | int = "auto") -> RankMemory:
-    """Measure ``rank`` of ``plan`` (the module docstring); the default process group must not be initialised."""
+    """Measure ``rank`` of ``plan`` (the module docstring); the default process group must not be initialised.
+    ``model_factory()`` builds the plan's model on the meta device (``cli.commands.validate.build_model_for``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -275,11 +270,9 @@ def check_rank(plan: Plan, rank: int, *, model_factory: Callable[[], nn.Module] 
         raise ConfigError("check_rank needs a process without a default process group (it makes a fake one)")
     t0 = time.perf_counter()
     world = plan.degrees.world_size
-    factory = model_factory or functools.partial(build_model_for, plan.model.name, plan.global_batch,
-                                                 plan.model.seq_len)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        model = factory()
+        model = model_factory()
         mesh = build_mesh(plan, device_type="cpu")
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         mt = LiveBytes()
@@ -515,17 +508,19 @@ def _replay_pipeline(pm: Any, plan: Plan, mt: LiveBytes, *, vocab: int, hidden: 
     return notes
 
 
-def _check_in_child(plan: Plan, rank: int, microbatches: str | int) -> RankMemory:
+def _check_in_child(plan: Plan, rank: int, factory: Callable[[], nn.Module], microbatches: str | int) -> RankMemory:
     torch.set_num_threads(1)
-    return check_rank(plan, rank, microbatches=microbatches)
+    return check_rank(plan, rank, model_factory=factory, microbatches=microbatches)
 
 
-def check_plan(plan: Plan, *, ranks: str = "first,middle,last", workers: int | None = None,
+def check_plan(plan: Plan, *, model_factory: Callable[[], nn.Module], ranks: str = "first,middle,last",
+               workers: int | None = None,
                microbatches: str | int = "auto",
                progress: Callable[[RankMemory], None] | None = None) -> list[RankMemory]:
     """``check_rank`` for each rank ``distinct_ranks(plan, ranks)`` names (``microbatches``:
     ``replayed_microbatches``), each in a fresh process (a process
-    group, its meshes and the runtime's patches do not outlive a rank), ``workers`` at a time (default: the CPU
+    group, its meshes and the runtime's patches do not outlive a rank; ``model_factory`` must pickle by name),
+    ``workers`` at a time (default: the CPU
     count, at most the ranks); results in rank order. A rank that fails raises ``runtime.measure.spawn.RankError``
     with its traceback."""
     import concurrent.futures as cf
@@ -541,7 +536,7 @@ def check_plan(plan: Plan, *, ranks: str = "first,middle,last", workers: int | N
     n = max(1, min(len(chosen), workers or os.cpu_count() or 1))
     out: dict[int, RankMemory] = {}
     with cf.ProcessPoolExecutor(max_workers=n, mp_context=mp.get_context("spawn"), max_tasks_per_child=1) as pool:
-        futures = {pool.submit(_check_in_child, plan, r, microbatches): r for r in chosen}
+        futures = {pool.submit(_check_in_child, plan, r, model_factory, microbatches): r for r in chosen}
         for fut in cf.as_completed(futures):
             r = futures[fut]
             try:
