@@ -140,7 +140,12 @@ def test_cli_exits_1_when_a_rank_does_not_fit(monkeypatch, capsys, tmp_path):
     assert not m.exceeds and m.error == pytest.approx(-0.25)
     full = dataclasses.replace(m, capacity=m.measured_peak + m.reserve_for_measured - 1)
     assert full.exceeds
-    monkeypatch.setattr(mc, "check_plan", lambda plan, **kw: [full])
+    def fake_check_plan(plan, *, progress=None, **kw):
+        if progress is not None:
+            progress(full)
+        return [full]
+
+    monkeypatch.setattr(mc, "check_plan", fake_check_plan)
     p = argparse.ArgumentParser()
     cmd.add_arguments(p)
     assert cmd.run(p.parse_args([str(path), "--ranks", "0"])) == 1
