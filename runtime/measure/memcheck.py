@@ -236,11 +236,53 @@ def _fake_runtime(fake: Any, mt: LiveBytes) -> Iterator[None]:
             with fake, mt.phase("comm_buffers", mt.where):  # its gradient buckets
                 super().__init__(*args, **kwargs)
 
-    rp.materialize, rdp.DistributedDataParallel = materialize, FakeDDP
+    import runtime.expert_parallel as rep
+
+    saved_ep = rep._ep_forward
+    rp.materialize, rdp.DistributedDataParallel, rep._ep_forward = materialize, FakeDDP, _ep_forward_balanced
     try:
         yield
     finally:
         rp.materialize, rdp.DistributedDataParallel = saved
+        rep._ep_forward = saved_ep
+
+
+def _ep_forward_balanced(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                         top_k_weights: torch.Tensor) -> torch.Tensor:
+    """``runtime.expert_parallel._ep_forward`` with the routing counts fake tensors cannot give (they are data):
+    every ep rank sends and receives ``tokens x top-k / ep`` rows and each local expert takes an equal share
+    (balanced routing, the load the router's auxiliary loss aims at); the same ops on the same shapes otherwise."""
+    from runtime.expert_parallel import _ScaleGrad, a2a_autograd
+
+    group, ep, local_e = self._autopar_ep_group, self._autopar_ep, self._autopar_local_experts
+    n, k = top_k_index.shape
+    rows = n * k
+    split = [rows // ep + (1 if r < rows % ep else 0) for r in range(ep)]
+    send, recv = split, [split[dist.get_rank(group) if group is not None else 0]] * ep
+    token = torch.arange(n, device=hidden_states.device).repeat_interleave(k)
+    expert = top_k_index.reshape(-1)
+    order = torch.argsort(expert, stable=True)
+    token, expert = token[order], expert[order]
+    weight = top_k_weights.reshape(-1)[order]
+    x = hidden_states[token]
+    recv_x = a2a_autograd(x.new_empty((sum(recv),) + tuple(x.shape[1:])), x, output_split_sizes=recv,
+                          input_split_sizes=send, group=group)
+    recv_e = torch.empty(sum(recv), dtype=expert.dtype, device=expert.device)
+    dist.all_to_all_single(recv_e, (expert % local_e).contiguous(), output_split_sizes=recv,
+                           input_split_sizes=send, group=group)
+    gate_up = self.gate_up_proj.to_local() if hasattr(self.gate_up_proj, "to_local") else self.gate_up_proj
+    down = self.down_proj.to_local() if hasattr(self.down_proj, "to_local") else self.down_proj
+    gate_up, down = _ScaleGrad.apply(gate_up, 1.0 / ep), _ScaleGrad.apply(down, 1.0 / ep)
+    out = torch.zeros_like(recv_x)
+    per = sum(recv) // local_e
+    for j in range(local_e):
+        idx = torch.arange(j * per, (j + 1) * per, device=recv_x.device)
+        gate, up = nn.functional.linear(recv_x[idx], gate_up[j]).chunk(2, dim=-1)
+        out = out.index_add(0, idx, nn.functional.linear(self.act_fn(gate) * up, down[j]))
+    back = out.new_empty((sum(send),) + tuple(out.shape[1:]))
+    back = a2a_autograd(back, out, output_split_sizes=send, input_split_sizes=recv, group=group)
+    contrib = back * weight[:, None].to(back.dtype)
+    return torch.zeros_like(hidden_states).index_add(0, token, contrib.to(hidden_states.dtype))
 
 
 def _hidden_size(model: nn.Module) -> int:
@@ -290,6 +332,9 @@ def check_rank(plan: Plan, rank: int, *, model_factory: Callable[[], nn.Module],
                 mt.relabel([v for st in o.state.values() for v in st.values() if isinstance(v, torch.Tensor)],
                            "optimizer")
             notes: list[str] = []
+            if plan.degrees.ep > 1:
+                notes.append(f"expert routing balanced (each of ep={plan.degrees.ep} ranks gets tokens x top-k / ep "
+                             "rows, each local expert an equal share): fake tensors carry no router decisions")
             vocab = _vocab_of(model)
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 if pm.pipeline is None:
@@ -509,8 +554,13 @@ def _replay_pipeline(pm: Any, plan: Plan, mt: LiveBytes, *, vocab: int, hidden: 
 
 
 def _check_in_child(plan: Plan, rank: int, factory: Callable[[], nn.Module], microbatches: str | int) -> RankMemory:
+    import traceback
+
     torch.set_num_threads(1)
-    return check_rank(plan, rank, model_factory=factory, microbatches=microbatches)
+    try:
+        return check_rank(plan, rank, model_factory=factory, microbatches=microbatches)
+    except Exception as e:  # noqa: BLE001 - torch's exceptions do not all pickle back to the parent
+        raise RuntimeError(f"{type(e).__name__}: {e}\n{traceback.format_exc()}") from None
 
 
 def check_plan(plan: Plan, *, model_factory: Callable[[], nn.Module], ranks: str = "first,middle,last",
