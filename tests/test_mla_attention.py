@@ -148,3 +148,27 @@ def test_traced_block_has_one_flash_attention_and_flash_sized_activations(tmp_pa
         expect = _flash_layer_bytes_per_token(_SMALL, moe=i >= _SMALL["first_k_dense_replace"]) * seq
         got = w.coster(blocks[i], ctx).activation_bytes
         assert got == pytest.approx(expect, rel=0.2), (i, got, expect)
+
+
+def test_gpt_oss_sink_attention_pads_v_too(tmp_path):
+    """GPT-OSS's sink attention (planner.sink_attention) gives q / k one more feature than v: v is zero-padded as
+    well, so each layer's sdpa saves q, k, v, the output and the log-sum-exp, not the scores, and the FLOPs are
+    those of the unpadded v."""
+    from planner.workload import workload_from_model
+
+    seq, heads, d = 512, 4, 16
+    cfg = {"model_type": "gpt_oss", "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2,
+           "num_attention_heads": heads, "num_key_value_heads": 2, "head_dim": d, "num_local_experts": 4,
+           "num_experts_per_tok": 2, "vocab_size": 128, "sliding_window": 8,
+           "layer_types": ["sliding_attention", "full_attention"], "max_position_embeddings": 1024}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    graph = workload_from_model(str(path), seq=seq)[1].graph
+    full = [n for n in graph.nodes if n.op_class == "attention" and n.block == "model.layers.1"]
+    assert len(full) == 1
+    q, k, v = full[0].input_shapes[:3]
+    assert q[-1] == k[-1] == v[-1] == d + 1
+    # q, k, v and the output (1, H, S + 1, d + 1) bf16 plus an fp32 log-sum-exp (the padded v is the pad op's)
+    flash = (3 * heads * (seq + 1) * (d + 1)) * 2 + heads * (seq + 1) * 4
+    assert full[0].saved_bytes <= flash < heads * seq * seq * 2
+    assert full[0].flops_fwd == pytest.approx(2 * heads * (seq + 1) ** 2 * ((d + 1) + d))
