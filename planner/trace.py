@@ -22,7 +22,9 @@ last to ``head``; ops the root module runs between two layers count to the layer
 contiguous and in execution order. ``cast_floating`` casts float example inputs to the model's dtype.
 
 Attention masks: HF causal LMs pass an explicit (Sq, Sk) boolean mask to sdpa; with ``causal_mask=True``
-(default) an attention with a mask is counted as causal in ``causal_fraction`` (dense counts stay).
+(default) an attention with a mask is counted as causal in ``causal_fraction`` (dense counts stay). An attention
+whose v is a zero padding of a narrower v (``planner.mla_attention``, ``planner.sink_attention``: one head dim for
+the fused kernel) has the FLOPs of the unpadded v; its bytes are the padded tensors'.
 """
 
 from __future__ import annotations
