@@ -430,6 +430,10 @@ class PipelineRunner:
         for p in self._tied_local():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+            if isinstance(p.grad, DTensor) and tuple(p.grad.placements) != tuple(p.placements):
+                # a vocab-parallel embedding's weight gradient comes back Replicate / Partial, not Shard(0) like
+                # the weight (and the head's): both ranks must all-reduce same-sized local shards
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
             dist.all_reduce(self._local(p.grad), group=self._tied_group)
 
 

@@ -1,9 +1,10 @@
 """Any PyTorch model, not only transformers ones: ``auto_wrap(plan=None)`` on 4 gloo ranks plans the plain-torch GPT
 of tests/models/gpt.py for this world (the planner picks a pipeline with the tied head on the other stage) and
 trains it with the single-process losses and gradients; a planner plan pinned to tensor x data parallelism (tp2 x
-dp2) with the Megatron styles by FQN does too. Pipeline chunks of a user model come from a torch.fx trace of its
-forward (runtime/traced_units.py): chained, they compute what the model computes; a forward that is no chain of its
-layers is refused naming why and the fix; the MLP of tests/models/mlp.py pipelines on 2 ranks.
+dp2) with the Megatron styles by FQN does too, and so does the planner's tp2 x pp2 plan with sequence parallelism.
+Pipeline chunks of a user model come from a torch.fx trace of its forward (runtime/traced_units.py): chained, they
+compute what the model computes; a forward that is no chain of its layers is refused naming why and the fix; the
+MLP of tests/models/mlp.py pipelines on 2 ranks.
 """
 
 from __future__ import annotations
@@ -59,6 +60,14 @@ def _handwritten_body(rank: int, world_size: int, tmp: str) -> dict:
         pl = p.placements[names.index("tp")] if "tp" in names else None
         tp_placement[n] = f"shard {pl.dim}" if pl is not None and pl.is_shard() else "replicate"
     out["tp2"] = {"plan": pm2.plan.to_dict(), "run": rc.parallel_run(pm2, 4), "tp_placement": tp_placement}
+    # the planner's tp2 x pp2 plan with sequence parallel: vocab-parallel embedding and head, tied across the stages
+    plan3 = None
+    if rank == 0:
+        cluster = resolve_cluster("local", nodes=1, gpus_per_node=world_size)
+        plan3 = plan_model(rc.handwritten_gpt_model(), cluster, global_batch=4, example_inputs=example,
+                           fix="tp=2,pp=2,sp=true")
+    pm3 = auto_wrap(rc.handwritten_gpt_model(), example, loss_fn=rc.loss_fn, plan=plan3)
+    out["tp2_pp2_sp"] = {"plan": pm3.plan.to_dict(), "run": rc.parallel_run(pm3, 4)}
     return out
 
 
@@ -70,9 +79,14 @@ def test_auto_wrap_plans_and_trains_a_handwritten_gpt():
     assert all(p == plans[0] for p in plans)  # every rank applied rank 0's plan
     assert plans[0]["model"]["name"] == "GPT (module)"
     assert plans[0]["degrees"]["pp"] > 1  # what this test is about: the planner pipelines it, the runtime runs it
+    sp_plan = results[0]["tp2_pp2_sp"]["plan"]
+    assert sp_plan["sequence_parallel"] and sp_plan["degrees"]["pp"] == 2 and sp_plan["degrees"]["tp"] == 2
+    sp_styles = {s["fqn"]: s["style"] for s in sp_plan["shardings"]}
+    assert (sp_styles["wte"], sp_styles["head"]) == ("vocab_embedding", "vocab_head")
     for rank, res in enumerate(results):
         rc.compare(res["planned"]["run"], rc.restrict(ref, res["planned"]["run"]), what=f"planned rank {rank}")
         rc.compare(res["tp2"]["run"], ref, what=f"tp2 x dp2 rank {rank}")
+        rc.compare(res["tp2_pp2_sp"]["run"], rc.restrict(ref, res["tp2_pp2_sp"]["run"]), what=f"tp2 pp2 sp {rank}")
     # the tied head weight is named as the model names it (wte.weight) on both pipeline ranks
     held = [set(res["planned"]["run"]["params"]) for res in results]
     assert "head.weight" not in set().union(*held) and all("wte.weight" in h for h in held)
