@@ -292,7 +292,7 @@ def _mlp_pp2_body(rank: int, world_size: int, tmp: str) -> dict:
     plan = None
     if rank == 0:  # the planner's own stages for the MLP (embedding group `inp`, head `out`), pinned to pp=2
         plan = plan_model(_mlp(), cluster, global_batch=MLP_BATCH, fix="pp=2,schedule=1f1b,mb=2",
-                          example_inputs=(torch.zeros(MLP_BATCH, MLP_DIMS["in_features"], device="meta"),))
+                          example_inputs=(torch.zeros(MLP_BATCH, MLP_DIMS["in_features"]),))  # CPU, model on meta
     pm = auto_wrap(_mlp(), (torch.zeros(MLP_BATCH, MLP_DIMS["in_features"]),), loss_fn=_mlp_loss, plan=plan)
     return {"plan": pm.plan.to_dict(), "run": _mlp_run(pm.step, pm.named_parameters, pm.parameters())}
 
