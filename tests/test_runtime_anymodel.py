@@ -206,6 +206,21 @@ class _Shared(_Skip):
         return self.out(h)
 
 
+class _SharedNorm(_Skip):
+    """One norm after layers 1 and 2: with a stage per layer, stages 1 and 2 would each hold it and train their
+    copies apart (a weight shared with the embedding's stage is kept equal, as a tied head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for i, b in enumerate(self.blocks):
+            h = b(h) if i == 0 else self.norm(b(h))
+        return self.out(h)
+
+
 class _TwoInputs(_Skip):
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return super().forward(x * mask)
@@ -216,6 +231,7 @@ class _TwoInputs(_Skip):
     (_Branchy, "torch.fx could not trace its forward"),
     (_Shared, "calls layer 'blocks.0' more than once"),
     (_TwoInputs, "needs argument 'mask' besides the input"),
+    (_SharedNorm, "parameter 'norm.weight' is used by stage 1 and by stage 2"),
     (nn.Sequential, "no nn.ModuleList of repeated layers"),
 ])
 def test_non_chain_forward_is_refused_naming_why_and_the_fix(model_cls, match):
@@ -224,7 +240,7 @@ def test_non_chain_forward_is_refused_naming_why_and_the_fix(model_cls, match):
     from runtime.manual_plan import manual_plan
 
     model = model_cls() if model_cls is not nn.Sequential else nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-    plan = manual_plan(_Skip(), pp=2)  # cut_model reads only the stages: any two-stage plan
+    plan = manual_plan(_Skip(), pp=3)  # cut_model reads only the stages: one layer per stage
     with pytest.raises(UnsupportedModelError, match=match) as err:
         cut_model(model, plan=plan)
     assert "pp=1" in str(err.value)
