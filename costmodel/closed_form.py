@@ -42,8 +42,6 @@ class TransformerDims:
     glu: bool = False
     dtype_bytes: int = 2
     attn_causal_fraction: float = 0.5
-    logits_bytes: float = 6.0
-    """Per logit element: the bf16 logits plus their fp32 copy for the loss."""
 
 
 def _add(d: dict[str, float], kind: str, t: float) -> None:
@@ -200,7 +198,8 @@ def head_cost(w: TransformerDims, c: LayerCtx, layer: LayerWork) -> LayerCost:
                                c.cluster)
         _add(comm, cc.link_kind, cc.time_s)
     return LayerCost(fwd_s=t_mm + t_loss + d_f, bwd_s=2.0 * t_mm + t_loss + d_b, wgrad_s=t_mm, recompute_s=0.0,
-                     comm_fwd=comm, comm_bwd=dict(comm), working_bytes=tokens * vt * w.logits_bytes,
+                     comm_fwd=comm, comm_bwd=dict(comm),
+                     working_bytes=tokens * vt * (w.dtype_bytes + c.constants.loss_bytes_per_logit),
                      params=layer.params / c.tp)
 
 

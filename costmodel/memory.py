@@ -18,9 +18,17 @@ Activations of one transformer layer and one micro-batch (Korthikanti et al. 202
 - full recomputation keeps only each layer's input ``2 s b h`` (``/ t`` with sequence parallelism) and, during
   the backward of a layer, one layer's full activations (``recompute_working``).
 
-The pipeline schedule sets how many micro-batches' activations a stage holds (``costmodel.pipeline``). Buffers:
-gradient-reduction buckets, ZeRO-3 gathered parameters (two layers prefetched), the logits of the loss; the
-allocator reserve is a CUDA context plus a fragmentation fraction (``MemoryConstants``).
+The pipeline schedule sets how many micro-batches' activations a stage holds (``costmodel.pipeline``). The step
+model (``costmodel.step``) lays model states out as the execution target does (``profiles/targets/*.toml``
+``[memory.*]``, per device kind: autopar's runtime shards with FSDP2 mixed precision on CUDA only), and adds:
+the logits and what the target's loss holds per logit element (``StepConstants.loss_bytes_per_logit``);
+tensor-parallel buffers (DDP's buckets are in its layout's gradient bytes); for FSDP2 layouts, while a block's
+gradients are reduced, their unsharded copy, the root module's and the reduce-scatter staging (two at ZeRO-3; the
+peak holds the larger of these and the logits, which are freed first), and at ZeRO-3 the gathered root module
+and two gathered blocks on a GPU (the one computing and the one prefetched; one on a CPU,
+``costmodel.step.fsdp_buffer_bytes``); other ZeRO-3 layouts two prefetched layers. The allocator reserve, on
+GPU ranks only, is the CUDA context (with cuBLAS / NCCL workspaces) plus a stated fragmentation margin of 5% of everything else (``MemoryConstants``); device capacities are the bytes
+PyTorch can allocate (``costmodel.hardware``).
 """
 
 from __future__ import annotations
@@ -35,19 +43,16 @@ GB = 1e9
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MemoryConstants:
-    """Bytes per parameter and the allocator's share. Sources: ZeRO (SC20) for the 2 + 2 + 12; PyTorch DDP's
-    default 25 MB gradient bucket; the CUDA context + cuBLAS/NCCL workspaces measure ~0.8-1.2 GB on A100/H100
-    (``torch.cuda.mem_get_info`` before and after init); caching-allocator fragmentation ~5-10% in
-    Megatron-LM / torchtitan memory profiles."""
+    """Bytes per parameter and the allocator's share. Sources: ZeRO (SC20) for the 2 + 2 + 12; the CUDA context
+    + cuBLAS/NCCL workspaces measure ~0.8-1.2 GB on A100/H100 (``torch.cuda.mem_get_info`` before and after
+    init); caching-allocator fragmentation ~5-10% in Megatron-LM / torchtitan memory profiles: the margin is
+    5% of everything else (``fragmentation``), on GPU ranks only."""
 
     weight_bytes: float = 2.0
     grad_bytes: float = 2.0
     optimizer_bytes: float = 12.0
-    bucket_bytes: float = 2 * 25e6
     context_bytes: float = 1.0e9
     fragmentation: float = 0.05
-    logits_bytes: float = 6.0
-    """Per logit element: the bf16 logits plus their fp32 copy for the loss."""
 
 
 DEFAULT_MEMORY = MemoryConstants()

@@ -243,8 +243,9 @@ def even_stage_layers(workload: Workload, chunks: int) -> tuple[int, ...]:
     return _even_cached(ByIdentity(workload.layers), int(chunks))
 
 
-_MAX_COLUMNS = ("work", "head_work", "maxparams")
-"""Columns a chunk takes the largest of (transient bytes, the largest block's parameters), not the sum."""
+_MAX_COLUMNS = ("work", "head_work", "maxparams", "maxact")
+"""Columns a chunk takes the largest of (transient bytes, the largest block's parameters and activations), not
+the sum."""
 
 
 @functools.lru_cache(maxsize=4096)
@@ -271,6 +272,8 @@ def _layer_columns(uniques: ByIdentity, ctx_key: _CtxKey) -> tuple[tuple[str, ..
                       for r, layer in zip(rows, uniques.obj)],
         "rootparams": [r.params if layer.kind in ("embedding", "head") else 0.0
                        for r, layer in zip(rows, uniques.obj)],
+        "maxact": [0.0 if layer.kind in ("embedding", "head") else r.activation_bytes
+                   for r, layer in zip(rows, uniques.obj)],
     }
     for k in kinds:
         cols[f"cf:{k}"] = [r.comm_fwd.get(k, 0.0) for r in rows]
@@ -312,10 +315,17 @@ def _chunk_arrays(ctx_key: _CtxKey, stage_layers: tuple[int, ...], mask: tuple[b
     return _chunk_cached(ctx_key, stage_layers, mask)
 
 
-def _p2p_s(workload: Workload, cluster: Cluster, *, pp: int, mb: int, tp: int, cp: int, dp: int) -> tuple[str, float]:
+def p2p_boundary_bytes(workload: Workload, *, mb: int, tp: int, cp: int, sp: bool, k: StepConstants) -> float:
+    """Bytes of the activation one rank sends from a pipeline stage to the next (and of the gradient it gets
+    back, and of each receive buffer): ``(mb, seq / cp, hidden)`` divided as the target's ``p2p_boundary`` says."""
+    return mb * workload.seq / cp * workload.hidden * workload.dtype_bytes / k.boundary_divisor(tp=tp, sp=sp)
+
+
+def _p2p_s(workload: Workload, cluster: Cluster, *, pp: int, mb: int, tp: int, cp: int, sp: bool, dp: int,
+           k: StepConstants) -> tuple[str, float]:
     if pp == 1:
         return "", 0.0
-    nbytes = mb * workload.seq / cp * workload.hidden * workload.dtype_bytes / tp
+    nbytes = p2p_boundary_bytes(workload, mb=mb, tp=tp, cp=cp, sp=sp, k=k)
     cc = collective_time_s("send_recv", nbytes, Group(size=2, stride=tp * cp * dp), cluster)
     return cc.link_kind, cc.time_s
 
@@ -458,7 +468,7 @@ def _pipeline(parts: tuple[_CtxKey, ...], classes: tuple[int, ...], cluster: ByI
         tw = ch["wgrad"]
         tb = tb - tw
     p2p_kind, p2p = _p2p_s(ctx_key.workload.obj, cluster.obj, pp=pp, mb=ctx_key.microbatch, tp=ctx_key.tp,
-                           cp=ctx_key.cp, dp=dp)
+                           cp=ctx_key.cp, sp=ctx_key.sp, dp=dp, k=ctx_key.constants)
     no_p2p, hops = pl._closed_form_terms(schedule, pp=pp, m=m, v=v, tf=tf, tb=tb, tw=tw)
     total = no_p2p + hops * p2p  # = pl._closed_form_s(..., p2p_s=p2p)
     per_rank = (tf + tb + tw).reshape(v, pp).sum(axis=0)
@@ -600,26 +610,45 @@ def _model_states(workload: Workload, cfg: ParallelConfig, target: Target, dense
 
 
 def fsdp_buffer_bytes(*, zero_stage: int, dp: int, block_params: float, root_params: float,
-                      grad_bytes: float, gather_bytes: float, reduce_per_microbatch: bool) -> float:
-    """Bytes FSDP2-style sharding holds beyond the model states at the activation peak of one rank
-    (``dp``: the sharding degree; 0 when nothing is sharded):
+                      grad_bytes: float, gather_bytes: float, reduce_per_microbatch: bool, gpu: bool = True
+                      ) -> tuple[float, float]:
+    """``(gathered, reducing)``: bytes FSDP2 holds beyond the model states on one rank (``dp``: the sharding
+    degree; nothing when it is 1), measured on a live-storage counter (``tests/test_memory_truth.py``):
 
-    - ZeRO-2 / 3 reduce-scatter every micro-batch during the backward (ZeRO-1 / 2 where ``reduce_per_microbatch``:
-      the target's ZeRO-2 reduces every micro-batch, or there is one micro-batch):
-      the flat reduce-scatter input of the block just done, in the reduction dtype (``grad_bytes`` per
-      parameter of the rank's largest block, ``block_params``); ZeRO-3 two of them (one in flight while the next
-      is filled, FSDP2's ``reduce_scatter_max_input_buffers`` = 1 plus the new one; measured on a live-storage
-      counter, ``tests/test_memory_truth.py``).
-    - ZeRO-3 also holds the root module's parameters gathered for the whole step (FSDP2 does not reshard the
-      root after forward: the embedding, final norm and head of the rank, ``root_params``) and two blocks' (the
-      one computing and the one prefetched, FSDP2's default of one module ahead), in the gather dtype.
-    """
+    - ``gathered``, held whenever a block computes: at ZeRO-3 the parameters of the root module (FSDP2 does not
+      reshard the root after forward: the embedding, final norm and head of the rank, ``root_params``) and of the
+      block computing, and on a GPU of the next one too (FSDP2 prefetches one module ahead; CPU collectives are
+      synchronous), in the gathered dtype (``gather_bytes``);
+    - ``reducing``, held while a block's gradients are reduced in a backward that reduce-scatters (ZeRO-3, and
+      ZeRO-1 / 2 when ``reduce_per_microbatch``: the target's ZeRO-2 reduces every micro-batch, or there is one
+      micro-batch): the unsharded gradients of that block and of the root module (FSDP2 reduces the root's group
+      when the whole backward is done) in the gathered dtype, and the flat reduce-scatter input of the block in
+      the reduction dtype (``grad_bytes``): one, or two at ZeRO-3 (one in flight while the next is filled:
+      ``reduce_scatter_max_input_buffers`` = 1).
+
+    ``block_params``: the rank's largest block."""
     if dp <= 1 or zero_stage == 0 or (zero_stage in (1, 2) and not reduce_per_microbatch):
-        return 0.0
+        return 0.0, 0.0
     staging = (2.0 if zero_stage == 3 else 1.0) * block_params * grad_bytes
+    reducing = staging + (block_params + root_params) * gather_bytes
     if zero_stage < 3:
-        return staging
-    return staging + (root_params + 2.0 * block_params) * gather_bytes
+        return 0.0, reducing
+    return (root_params + (2.0 if gpu else 1.0) * block_params) * gather_bytes, reducing
+
+
+def recv_buffer_bytes(workload: Workload, cfg: ParallelConfig, k: StepConstants, m: int) -> np.ndarray:
+    """Pipeline receive buffers per rank kept for the whole step where the target allocates them per
+    micro-batch (``recv_buffers_per_microbatch``): every chunk but the first gets one activation per micro-batch,
+    every chunk but the last one gradient. (Otherwise a stage holds the activations of the micro-batches in
+    flight, priced with them, and a gradient for as long as its backward runs.)"""
+    pp, v = cfg.pp, cfg.virtual_stages or 1
+    if pp == 1 or not k.recv_buffers_per_microbatch:
+        return np.zeros(pp)
+    each = p2p_boundary_bytes(workload, mb=cfg.microbatch, tp=cfg.tp, cp=cfg.cp,
+                              sp=cfg.sequence_parallel and cfg.tp > 1, k=k)
+    chunks = np.arange(pp * v)
+    receives = (chunks > 0).astype(float) + (chunks < pp * v - 1).astype(float)
+    return m * each * _per_rank(receives, v, pp)
 
 
 def _memory(workload: Workload, cfg: ParallelConfig, ch: dict[str, np.ndarray], dense: np.ndarray,
@@ -635,19 +664,27 @@ def _memory(workload: Workload, cfg: ParallelConfig, ch: dict[str, np.ndarray], 
     tokens = cfg.microbatch * w.seq / cfg.cp
     terms["activations"] = _per_rank(ch["act"], v, pp) * inflight + _per_rank(ch["work"], v, pp, "max")
     terms["logits"] = _per_rank(ch["head_work"], v, pp, "max")
-    buffers = mc.bucket_bytes + (2.0 * tokens * w.hidden * w.dtype_bytes if cfg.tp > 1 else 0.0)
+    # tensor-parallel collective buffers; DDP's gradient buckets are in the layout's gradient bytes
+    buffers = 2.0 * tokens * w.hidden * w.dtype_bytes if cfg.tp > 1 else 0.0
     buffers = np.full(pp, buffers)
     block = _per_rank(ch["maxparams"], v, pp, "max")
+    block_act = _per_rank(ch["maxact"], v, pp, "max")
     grad_b, gather_b = dp_bytes(w, cfg, target.constants)
     root = _per_rank(ch["rootparams"], v, pp)
     each = (cfg.zero_stage == 2 and target.constants.zero2_reduce_per_microbatch) or m == 1
     for r, mode in enumerate(modes):
         if mode.fsdp2:
-            buffers[r] += fsdp_buffer_bytes(zero_stage=cfg.zero_stage, dp=cfg.dp * cfg.cp, block_params=float(block[r]),
-                                            root_params=float(root[r]), grad_bytes=grad_b, gather_bytes=gather_b,
-                                            reduce_per_microbatch=each)
+            gathered, reducing = fsdp_buffer_bytes(
+                zero_stage=cfg.zero_stage, dp=cfg.dp * cfg.cp, block_params=float(block[r]),
+                root_params=float(root[r]), grad_bytes=grad_b, gather_bytes=gather_b, reduce_per_microbatch=each,
+                gpu=bool(gpu[r]))
+            # a block's reduction starts once the loss and that block have run their backward: the peak holds
+            # the larger of the logits (+ loss) and the reduction buffers less what those two freed
+            logits = float(terms["logits"][r])
+            buffers[r] += gathered + max(0.0, reducing - logits - float(block_act[r]))
         elif cfg.zero_stage == 3:  # two layers' gathered parameters (prefetch)
             buffers[r] += 2.0 * float(block[r]) * mc.weight_bytes
+    buffers = buffers + recv_buffer_bytes(w, cfg, target.constants, m)
     terms["comm_buffers"] = buffers
     subtotal = sum(terms.values())
     terms["allocator_reserve"] = np.where(gpu, mem.allocator_reserve_bytes(subtotal, mc), 0.0)

@@ -15,15 +15,18 @@ With ``--checkpoint-dir`` it saves every ``--checkpoint-every`` steps and, start
 ``--max-restarts``, on the same or another number of ranks), continues from the latest complete checkpoint: step
 ``s`` always trains on batch ``s``. ``--losses-out`` writes ``{"1": loss, ...}``: each step this run trained,
 counted from 1, and its global loss. ``--fail-at N`` makes the last rank exit inside step N's loss (mid-step) on
-the first attempt only (TORCHELASTIC_RESTART_COUNT=0), to try the restart.
+the first attempt only (TORCHELASTIC_RESTART_COUNT=0), to try the restart; ``--lose-node-at N`` kills the torchrun
+agent and ranks of the node started with AUTOPAR_LOSE_THIS_NODE=1 inside step N, to try ``--nnodes MIN:MAX``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -48,9 +51,17 @@ def build_gpt(args: argparse.Namespace) -> torch.nn.Module:
         vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers, ffn_dim=4 * args.hidden,
         num_attention_heads=args.heads, max_position_embeddings=max(64, args.seq), word_embed_proj_dim=args.hidden,
         activation_function="gelu", dropout=0.0, attention_dropout=0.0, tie_word_embeddings=False, pad_token_id=1,
+        use_cache=False,
     )
     with torch.device("meta"):
         return OPTForCausalLM(cfg)
+
+
+def gpt(batch: int = 8, seq: int = 32, layers: int = 4, hidden: int = 128, heads: int = 4, vocab: int = 512):
+    """The model and one example batch, for ``autopar plan --model examples.train_gpt:gpt`` (the defaults are this
+    script's, so the plan's fingerprint matches the model it trains)."""
+    args = argparse.Namespace(vocab=vocab, hidden=hidden, layers=layers, heads=heads, seq=seq)
+    return build_gpt(args), (torch.zeros(batch, seq, dtype=torch.long),)
 
 
 def batch(step: int, *, rows: int, seq: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,10 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--checkpoint-dir", default=None, help="save here and resume from the latest complete save")
     ap.add_argument("--checkpoint-every", type=int, default=5, help="steps between checkpoints (default 5)")
+    ap.add_argument("--checkpoint-keep", type=int, default=2, help="complete checkpoints kept (default 2)")
     ap.add_argument("--losses-out", default=None, help="write {step from 1: global loss} of the steps run as JSON")
     ap.add_argument("--timeout-s", type=float, default=None,
                     help="collective timeout: a dead or hung rank fails the others after this (default 600 s)")
     ap.add_argument("--fail-at", type=int, default=None, help=argparse.SUPPRESS)  # tests: the last rank exits
+    ap.add_argument("--lose-node-at", type=int, default=None, help=argparse.SUPPRESS)  # tests: the last node dies
     args = ap.parse_args(argv)
 
     info = init_distributed(timeout_s=args.timeout_s)
@@ -108,14 +121,23 @@ def main(argv: list[str] | None = None) -> int:
     plan = args.plan
     ckpt = {}
     if args.checkpoint_dir:
-        ckpt = {"checkpoint_dir": args.checkpoint_dir, "checkpoint_every": args.checkpoint_every}
-    dying = args.fail_at is not None and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        ckpt = {"checkpoint_dir": args.checkpoint_dir, "checkpoint_every": args.checkpoint_every,
+                "checkpoint_keep": args.checkpoint_keep}
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    agent = os.getppid()  # torchrun's agent on this node
+    lose_this_node = os.environ.get("AUTOPAR_LOSE_THIS_NODE") == "1"  # set on the agent of the node to lose
     current = {"step": 0}
 
     def step_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        if dying and current["step"] + 1 == args.fail_at and info.rank == info.world_size - 1:
+        if first_attempt and current["step"] + 1 == args.fail_at and info.rank == info.world_size - 1:
             print(f"rank {info.rank}: exiting inside step {args.fail_at} (--fail-at)", flush=True)
             os._exit(17)  # mid-step: after this step's first forward, before its backward; no cleanup
+        if first_attempt and current["step"] + 1 == args.lose_node_at and lose_this_node and agent > 1:
+            print(f"rank {info.rank}: node {os.environ['GROUP_RANK']} lost inside step {args.lose_node_at} "
+                  "(--lose-node-at: its torchrun agent is killed)", flush=True)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(agent, signal.SIGKILL)
+            os._exit(17)
         return loss_fn(logits, targets)
 
     if args.manual:

@@ -44,6 +44,7 @@ def auto_wrap(
     checkpoint_dir: str | Path | None = None,
     checkpoint_every: int | None = None,
     async_checkpoint: bool = True,
+    checkpoint_keep: int = 2,
     timeout_s: float | None = None,
 ) -> ParallelModel:
     """Load (a plan file), take (Plan), pick (a directory: the plan file for this world size) or make (None:
@@ -51,8 +52,9 @@ def auto_wrap(
     rank 0, broadcast it so every rank applies the same one, check it belongs to this model and world size, and
     apply it. ``example_inputs``: one global batch (its shape sets the batch and sequence length the planner plans
     for). ``checkpoint_dir`` / ``checkpoint_every``: save model + optimizer + step there every N steps (async DCP
-    unless ``async_checkpoint=False``); call ``pm.resume(optimizer)`` before training. ``timeout_s``: collective
-    timeout if this call creates the process group (``runtime.mesh.init_distributed``)."""
+    unless ``async_checkpoint=False``), keeping the newest ``checkpoint_keep``; call ``pm.resume(optimizer)``
+    before training. ``timeout_s``: collective timeout if this call creates the process group
+    (``runtime.mesh.init_distributed``)."""
     if (checkpoint_dir is None) != (checkpoint_every is None):
         raise ConfigError("give checkpoint_dir and checkpoint_every together (a directory and an interval in steps)")
     info = init_distributed(timeout_s=timeout_s)
@@ -75,7 +77,8 @@ def auto_wrap(
     log.info("auto_wrap: plan degrees %s, zero %d, schedule %s", agreed.degrees, agreed.zero_stage, agreed.schedule)
     pm = apply_plan(model, agreed, loss_fn=loss_fn, seed=seed)
     if checkpoint_dir is not None:
-        pm.checkpoint_to(checkpoint_dir, every_steps=int(checkpoint_every), async_save=async_checkpoint)
+        pm.checkpoint_to(checkpoint_dir, every_steps=int(checkpoint_every), async_save=async_checkpoint,
+                         keep=checkpoint_keep)
     return pm
 
 

@@ -87,10 +87,12 @@ def set_microbatch_sync(module: nn.Module, plan: Plan, *, last: bool) -> None:
 
 def apply_data_parallel(model: nn.Module, *, plan: Plan, mesh: DeviceMesh,
                         expert_fqns: Iterable[str] = (), mp_policy: MixedPrecisionPolicy | None | str = "auto",
-                        ) -> nn.Module:
+                        blocks: Iterable[nn.Module] | None = None) -> nn.Module:
     """Wrap ``model`` for data parallelism over the batch axis; returns the module to call (DDP may wrap it).
 
-    ``mp_policy``: the FSDP2 mixed precision of ZeRO 1-3; ``"auto"``: ``mixed_precision`` of the mesh's device."""
+    ``mp_policy``: the FSDP2 mixed precision of ZeRO 1-3; ``"auto"``: ``mixed_precision`` of the mesh's device.
+    ``blocks``: the modules that get their own FSDP2 unit (None: ``transformer_blocks(model)``; a pipeline chunk
+    passes its layers, which sit in plain containers there, not in a ModuleList)."""
     dp_mesh = grad_mesh(mesh)  # the batch axes, times cp when context parallel
     if dp_mesh.size() == 1:
         return model
@@ -103,7 +105,7 @@ def apply_data_parallel(model: nn.Module, *, plan: Plan, mesh: DeviceMesh,
         log.info("data parallel: DDP over %d ranks", dp_mesh.size())
         return DistributedDataParallel(model, process_group=dp_mesh.get_group())
     if zero == 0:
-        for block in transformer_blocks(model):
+        for block in transformer_blocks(model) if blocks is None else blocks:
             replicate(block, mesh=dp_mesh)
         replicate(model, mesh=dp_mesh)
         log.info("data parallel: FSDP2 replicate (DDP semantics) over %d ranks with DTensor parameters", dp_mesh.size())
@@ -113,7 +115,7 @@ def apply_data_parallel(model: nn.Module, *, plan: Plan, mesh: DeviceMesh,
     kw = {"mp_policy": policy} if policy is not None else {}
     for fqn in expert_fqns:  # the experts' own unit over the ranks that hold them (module docstring)
         fully_shard(model.get_submodule(fqn), mesh=mesh["dp"], reshard_after_forward=reshard, **kw)
-    for block in transformer_blocks(model):
+    for block in transformer_blocks(model) if blocks is None else blocks:
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, **kw)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, **kw)
     log.info("data parallel: FSDP2 zero=%d over %d ranks%s", zero, dp_mesh.size(),

@@ -117,9 +117,9 @@ class ParallelModel:
 
     # --- checkpoints ----------------------------------------------------------------------------------------
 
-    def checkpoint_to(self, directory: str | Path, *, every_steps: int, async_save: bool = True) -> None:
-        """Save under ``directory`` every ``every_steps`` steps (collective: every rank)."""
-        self.checkpointer = Checkpointer(directory, every_steps=every_steps, async_save=async_save)
+    def checkpoint_to(self, directory: str | Path, *, every_steps: int, async_save: bool = True, keep: int = 2) -> None:
+        """Save under ``directory`` every ``every_steps`` steps, keeping the newest ``keep`` (collective)."""
+        self.checkpointer = Checkpointer(directory, every_steps=every_steps, async_save=async_save, keep=keep)
 
     def resume(self, optimizer: torch.optim.Optimizer) -> int:
         """Load the latest complete checkpoint (any plan, any world size: DCP reshards) into the model and

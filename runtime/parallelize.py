@@ -73,7 +73,8 @@ def parallelize(
         if is_meta and wraps_with_ddp(part, plan=plan, mesh=mesh):
             materialize(part, device=device, seed=seed, init_owner=init_owner)
             is_meta = False
-        module = apply_data_parallel(part, plan=plan, mesh=mesh, expert_fqns=expert_fqns)
+        blocks = [part.get_submodule(f) for f in layers] if chunk else None  # one FSDP2 unit per layer
+        module = apply_data_parallel(part, plan=plan, mesh=mesh, expert_fqns=expert_fqns, blocks=blocks)
     if is_meta:
         materialize(unwrap(module), device=device, seed=seed, init_owner=init_owner)
     return Parallelized(module=module, expert_fqns=expert_fqns, context=context)

@@ -21,6 +21,11 @@ per rank), ``interleaved-1f1b`` -> ``ScheduleInterleaved1F1B``, ``zero-bubble`` 
 V placement (chunk ``i`` and ``2p-1-i`` on one rank), which the plan's loop placement does not describe, so it is
 not used.
 
+Gradient accumulation with FSDP2 chunks (``_Stage``): ZeRO 2 / 3 reduce-scatter every micro-batch's gradients
+(ZeRO 3 also reshards after each backward); ZeRO 1 keeps torch's own behaviour, gradient sync and resharding off
+until the last micro-batch, so the unsharded gradients accumulate and are reduced once
+(``runtime.data_parallel.gradient_sync``).
+
 Sequence parallel (``plan.sequence_parallel`` with tp > 1): activations cross chunk boundaries as whole
 sequences (B, T, H), replicated over tp; each chunk shards the sequence before its first layer and gathers it
 after its last module unless that is the LM head (whose colwise input layout gathers it). The TP hooks of

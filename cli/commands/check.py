@@ -28,6 +28,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "all-distinct (every pipeline rank with the first and last tp / ep / dp shard) or rank numbers")
     p.add_argument("--workers", type=int, default=None,
                    help="ranks measured at once, one process each (default: the CPU count)")
+    p.add_argument("--microbatches", default="auto", metavar="auto|all|N",
+                   help="micro-batches a pipelined rank replays: auto (default: all under GPipe, else 2 pp for "
+                   "1F1B and 3 pp for interleaved / zero-bubble, whose steady rounds repeat the same bytes; "
+                   "receive buffers for all), all, or a number; the output says when fewer than all ran")
     p.add_argument("--json", action="store_true", help="print one JSON object (the table goes to stderr)")
 
 
@@ -47,12 +51,9 @@ def run(args: argparse.Namespace) -> int:
           f"{plan.schedule.num_microbatches}; measuring ranks {', '.join(map(str, chosen))} on fake tensors",
           file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    results = check_plan(plan, ranks=args.ranks, workers=args.workers,
-                         progress=lambda m: print(f"  rank {m.rank} measured ({m.seconds:.1f} s)", file=sys.stderr,
-                                                  flush=True))
+    results = check_plan(plan, ranks=args.ranks, workers=args.workers, microbatches=args.microbatches,
+                         progress=lambda m: print(format_rank(m), file=out, flush=True))
     wall = time.perf_counter() - t0
-    for m in results:
-        print(format_rank(m), file=out)
     over = [m.rank for m in results if m.exceeds]
     print(f"{len(results)} rank(s) in {wall:.1f} s; " + (f"ranks {over} exceed their device" if over else
                                                           "every measured rank fits its device"), file=out)

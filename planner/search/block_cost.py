@@ -39,15 +39,13 @@ class GraphCoster:
     """``BlockCoster`` over a traced graph (see the module docstring). One per traced model; it holds the
     memo of solved blocks, so the step model's own memo (by identity) stays valid."""
 
-    def __init__(self, *, graph, blocks: Sequence, seq: int, dtype_bytes: int = 2,
-                 logits_bytes_per_element: float = 6.0) -> None:
+    def __init__(self, *, graph, blocks: Sequence, seq: int, dtype_bytes: int = 2) -> None:
         self._graph = graph
         self._blocks = {b.signature: b for b in blocks}
         self._by_name = {b.name: b for b in blocks}
         self._seq = int(seq)
         self._dtype = _DTYPES.get(int(dtype_bytes), "bf16")
         self._dtype_bytes = int(dtype_bytes)
-        self._logits_factor = logits_bytes_per_element / self._dtype_bytes
         self.cache = StrategyCache()
         self._ops: dict[tuple[str, int], tuple] = {}
 
@@ -84,8 +82,8 @@ class GraphCoster:
             d_f, d_b = dispatch_time_s(part=part, device=ctx.device, calibration=cal, tensor_parallel=ctx.tp > 1)
         rec = s.recompute_s + (d_f if ctx.recompute == "full" else 0.0)
         working = s.full_activation_bytes - s.activation_bytes if ctx.recompute != "none" else 0.0
-        if layer.kind == "head":
-            working += s.logits_bytes * self._logits_factor
+        if layer.kind == "head":  # the logits, and what the target's loss holds per logit element at its peak
+            working += s.logits_bytes * (1.0 + ctx.constants.loss_bytes_per_logit / self._dtype_bytes)
         return LayerCost(
             fwd_s=s.compute_fwd_s + d_f, bwd_s=s.compute_bwd_s + d_b, wgrad_s=s.wgrad_s, recompute_s=rec,
             comm_fwd=dict(s.comm_s.get("forward", {})), comm_bwd=dict(s.comm_s.get("backward", {})),

@@ -165,8 +165,8 @@ class _Builder:
         weights = [p for p in n.params if len(p[1]) >= 2]
         if n.target.startswith(_ALIASES) and len(ins) <= 1 and not n.params:
             self.rep[n.name] = ins[0] if ins else None  # type: ignore[assignment]  # same tensor, no layout change
-        elif n.module_fqn in self.norm_modules:
-            self._norm(n, ins)
+        elif n.module_fqn in self.norm_modules and n.op_class != "attention":  # (a module holding a 1-D
+            self._norm(n, ins)  # parameter beside its attention, GPT-OSS's sinks, is not a norm around it)
         elif self._expert_module(n.module_fqn):
             self._experts(n, ins, self._expert_module(n.module_fqn))
         elif n.target.startswith(_CONV) and weights:
@@ -362,9 +362,16 @@ class _Builder:
 
 
 def _saved_elems(n, outputs: float) -> float:
-    """Elements (bf16-sized: the trace runs in bf16) autograd keeps for backward because of node ``n``: measured
-    by ``planner.saved`` when the tracer could replay the graph, else its outputs (an upper bound)."""
-    return outputs if n.saved_bytes is None else n.saved_bytes / 2.0
+    """Bf16-sized units (2 bytes each, whatever dtype the trace ran in: ``saved_bytes`` are measured bytes) that
+    autograd keeps for backward because of node ``n``: measured by ``planner.saved`` when the tracer could replay
+    the graph, else its outputs (an upper bound, in elements: exact for a bf16 trace)."""
+    if n.saved_bytes is not None:
+        return n.saved_bytes / 2.0
+    size = _ELEMENT_BYTES.get(str(n.output_dtypes[0]).replace("torch.", "") if n.output_dtypes else "", 2)
+    return outputs * size / 2.0
+
+
+_ELEMENT_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
 def _norm_modules(nodes) -> frozenset[str]:
@@ -433,7 +440,7 @@ def _to_layer_op(a: _Acc, sc: _Scale, *, heads: tuple[int, int, int] | None, exp
         flops_bwd=a.flops_bwd * sc.tokens + a.attn_flops_bwd * sc.attention,
         bytes_fwd=(a.act_elems * sc.tokens + a.weight_elems) * db,
         out_bytes=out_bytes, dispatch_bytes=dispatch,
-        saved_bytes=a.saved_elems * sc.tokens * db,
+        saved_bytes=a.saved_elems * sc.tokens * 2.0,  # measured bytes (bf16-sized units), whatever the trace dtype
         params=int(a.params), shard_dims=shard_dims, op_class=a.op_class if a.op_class != "other" else "elementwise",
         mnk=(int(a.tokens * sc.tokens), sum(a.out_features), a.in_features)
         if a.kind in ("linear", "router", "head") else (),

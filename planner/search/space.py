@@ -57,9 +57,11 @@ class SearchOptions:
     ``ScheduleInterleaved1F1B`` / ``ScheduleInterleavedZeroBubble`` run any number (uneven chunks allowed)."""
     schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
     recompute: tuple[str, ...] = RECOMPUTE_ORDER
-    zero_stages: tuple[int, ...] = (0, 2, 3)
-    """ZeRO-1 is left out by default: ZeRO-2 moves the same bytes (reduce-scatter + all-gather, Rajbhandari
-    et al. SC20 Sec. 7) and also shards the gradients, so it dominates ZeRO-1 (``--fix zero=1`` still works)."""
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    """ZeRO-1 and ZeRO-2 differ in gradient accumulation where the target's ZeRO-2 reduces every micro-batch
+    (``StepConstants.zero2_reduce_per_microbatch``, autopar's runtime): ZeRO-1 keeps the full gradient until the
+    last micro-batch and reduces once, ZeRO-2 shards it and reduces m times; neither dominates, both are
+    searched."""
     uneven_stages: bool = True
     """Search uneven layer cuts (embedding and LM head weigh in); False: even cuts only."""
     cut_vectors_limit: int = 20000

@@ -261,7 +261,8 @@ def _hidden_size(model: nn.Module) -> int:
     raise ConfigError(f"cannot tell the hidden size of {type(model).__name__} for the pipeline buffers")
 
 
-def check_rank(plan: Plan, rank: int, *, model_factory: Callable[[], nn.Module] | None = None) -> RankMemory:
+def check_rank(plan: Plan, rank: int, *, model_factory: Callable[[], nn.Module] | None = None,
+               microbatches: str | int = "auto") -> RankMemory:
     """Measure ``rank`` of ``plan`` (the module docstring); the default process group must not be initialised."""
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -305,7 +306,7 @@ def check_rank(plan: Plan, rank: int, *, model_factory: Callable[[], nn.Module] 
                         pm.step(ids[:, :-1], ids[:, 1:])
                 else:
                     notes += _replay_pipeline(pm, plan, mt, vocab=vocab, hidden=_hidden_size(model),
-                                              modules=modules)
+                                              modules=modules, microbatches=microbatches)
             label_gradients(mt, params, modules)
             with mt.phase("temporaries", "optimizer step"):
                 opt.step()
@@ -339,6 +340,29 @@ def _init_optimizer_states(opt: Any, params: list[nn.Parameter]) -> None:
     opt.zero_grad(set_to_none=True)
 
 
+def replayed_microbatches(plan: Plan, requested: str | int = "auto") -> int:
+    """How many of the plan's micro-batches a pipelined rank replays. ``all``: every one. ``auto``: all under
+    GPipe (every forward is in flight before the first backward) and without a pipeline; 1F1B ``2 pp`` and the
+    interleaved / zero-bubble schedules ``3 pp`` (at least the warm-up, whole rounds of steady 1F1B and the
+    cool-down: from the warm-up on, each steady round frees what it allocates, so more rounds repeat the same
+    bytes; ``tests/test_check.py`` compares the peaks of replaying some and all). A number: at most that many
+    (at least what the schedule needs)."""
+    n, pp, name = plan.schedule.num_microbatches, plan.degrees.pp, plan.schedule.name
+    if requested == "all" or pp == 1 or name == "gpipe":
+        return n
+    if requested == "auto":
+        want = 2 * pp if name == "1f1b" else 3 * pp
+    else:
+        try:
+            want = int(requested)
+        except ValueError:
+            raise ConfigError(f"--microbatches {requested!r}: give auto, all or a number") from None
+        want = max(want, pp)
+    if n % pp == 0:
+        want = -(-want // pp) * pp  # whole rounds of pp
+    return min(n, want)
+
+
 def _single_stage_actions(name: str, stage: Any, n_mb: int) -> list:
     """The order ``ScheduleGPipe`` / ``Schedule1F1B._step_microbatches`` run one stage's micro-batches in (their
     ``pipeline_order`` tables are for drawing and differ from the loop for the last stages)."""
@@ -362,21 +386,26 @@ def _single_stage_actions(name: str, stage: Any, n_mb: int) -> list:
     return [_Action(i, k, j) for k, j in order] + [_Action(i, C.REDUCE_GRAD, None)]
 
 
-def _actions(runner: Any, plan: Plan) -> list:
-    """This rank's actions of the runtime's torch schedule in the order it runs them: the lowered
-    ``pipeline_order_with_comms`` of the multi-chunk runtime schedules (interleaved 1F1B, zero-bubble: with
-    their FSDP unshard / reshard and gradient reduction actions), the loop of GPipe / 1F1B otherwise."""
-    order = getattr(runner.schedule, "pipeline_order_with_comms", None)
+def _actions(runner: Any, plan: Plan, n_mb: int) -> list:
+    """This rank's actions of the runtime's torch schedule for ``n_mb`` micro-batches, in the order it runs them:
+    the lowered ``pipeline_order_with_comms`` of the multi-chunk runtime schedules (interleaved 1F1B,
+    zero-bubble: with their FSDP unshard / reshard and gradient reduction actions; for fewer micro-batches than
+    the plan's, the same schedule class made for ``n_mb``), the loop of GPipe / 1F1B otherwise."""
+    sch = runner.schedule
+    order = getattr(sch, "pipeline_order_with_comms", None)
     if order:
+        if n_mb != plan.schedule.num_microbatches:
+            sch = type(sch)(runner.stages, n_microbatches=n_mb, loss_fn=sch._loss_fn, scale_grads=False)
+            order = sch.pipeline_order_with_comms
         return list(order[runner.pp_rank])
     if len(runner.stages) != 1:
         raise ConfigError(f"schedule {plan.schedule.name!r} with {len(runner.stages)} chunks on a rank: "
                           "the runtime would refuse it too")
-    return _single_stage_actions(plan.schedule.name, runner.stages[0], plan.schedule.num_microbatches)
+    return _single_stage_actions(plan.schedule.name, runner.stages[0], n_mb)
 
 
-def _replay_pipeline(pm: Any, plan: Plan, mt: LiveBytes, *, vocab: int, hidden: int,
-                     modules: list[nn.Module]) -> list[str]:
+def _replay_pipeline(pm: Any, plan: Plan, mt: LiveBytes, *, vocab: int, hidden: int, modules: list[nn.Module],
+                     microbatches: str | int = "auto") -> list[str]:
     """This rank's pipeline actions for one step (the module docstring); notes on what was approximated."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.pipelining.schedules import _ComputationType as C
@@ -385,24 +414,30 @@ def _replay_pipeline(pm: Any, plan: Plan, mt: LiveBytes, *, vocab: int, hidden: 
 
     runner = pm.pipeline
     stages = {s.stage_index: s for s in runner.stages}
-    n_mb, mb = plan.schedule.num_microbatches, plan.schedule.microbatch_size
+    all_mb, mb = plan.schedule.num_microbatches, plan.schedule.microbatch_size
+    n_mb = replayed_microbatches(plan, microbatches)
     seq = max(plan.model.seq_len, 1) // plan.degrees.cp
     dtype = next(iter(pm.parameters())).dtype
     notes: list[str] = []
+    if n_mb < all_mb:
+        notes.append(f"replayed {n_mb} of the plan's {all_mb} micro-batches (warm-up, steady 1F1B rounds, cool-down; "
+                     f"the rounds between repeat the same bytes), receive buffers allocated for all {all_mb}; "
+                     "--microbatches all replays every one")
     with mt.phase("comm_buffers", "pipeline receive buffers"):
         recv = {(i, j): torch.empty(mb, seq, hidden, dtype=dtype)
-                for i, s in stages.items() if not s.is_first for j in range(n_mb)}
+                for i, s in stages.items() if not s.is_first for j in range(all_mb)}
         grad_recv = {(i, j): torch.empty(mb, seq, hidden, dtype=dtype)
-                     for i, s in stages.items() if not s.is_last for j in range(n_mb)}
-    ids = [torch.randint(0, vocab, (mb, seq)) for _ in range(n_mb)]
-    targets = [torch.randint(0, vocab, (mb, seq)) for _ in range(n_mb)]
+                     for i, s in stages.items() if not s.is_last for j in range(all_mb)}
+    # this rank's batch (every micro-batch a view of it, as torch's split gives the schedule)
+    ids = list(torch.randint(0, vocab, (all_mb * mb, seq)).split(mb))
+    targets = list(torch.randint(0, vocab, (all_mb * mb, seq)).split(mb))
     loss_of = runner.schedule._loss_fn
     mt.reset_peak()
     fwd: dict[tuple[int, int], tuple] = {}
     losses: dict[tuple[int, int], torch.Tensor] = {}
     bwd_state: dict[tuple[int, int], tuple] = {}
     backwards: dict[int, int] = defaultdict(int)
-    for a in _actions(runner, plan):
+    for a in _actions(runner, plan, n_mb):
         kind, i, j = a.computation_type, a.stage_index, a.microbatch_index
         st = stages[i]
         tag = f"{i}{kind.value if hasattr(kind, 'value') else kind}{'' if j is None else j}"
@@ -480,14 +515,16 @@ def _replay_pipeline(pm: Any, plan: Plan, mt: LiveBytes, *, vocab: int, hidden: 
     return notes
 
 
-def _check_in_child(plan: Plan, rank: int) -> RankMemory:
+def _check_in_child(plan: Plan, rank: int, microbatches: str | int) -> RankMemory:
     torch.set_num_threads(1)
-    return check_rank(plan, rank)
+    return check_rank(plan, rank, microbatches=microbatches)
 
 
 def check_plan(plan: Plan, *, ranks: str = "first,middle,last", workers: int | None = None,
+               microbatches: str | int = "auto",
                progress: Callable[[RankMemory], None] | None = None) -> list[RankMemory]:
-    """``check_rank`` for each rank ``distinct_ranks(plan, ranks)`` names, each in a fresh process (a process
+    """``check_rank`` for each rank ``distinct_ranks(plan, ranks)`` names (``microbatches``:
+    ``replayed_microbatches``), each in a fresh process (a process
     group, its meshes and the runtime's patches do not outlive a rank), ``workers`` at a time (default: the CPU
     count, at most the ranks); results in rank order. A rank that fails raises ``runtime.measure.spawn.RankError``
     with its traceback."""
@@ -498,10 +535,13 @@ def check_plan(plan: Plan, *, ranks: str = "first,middle,last", workers: int | N
     from runtime.measure.spawn import RankError
 
     chosen = distinct_ranks(plan, ranks)
+    replayed_microbatches(plan, microbatches)  # a bad value is an error before anything runs
+    for r in chosen:  # an unknown device is an error before anything is measured
+        _capacity_and_reserve(plan, rank_coords(plan, r)["pp"])
     n = max(1, min(len(chosen), workers or os.cpu_count() or 1))
     out: dict[int, RankMemory] = {}
     with cf.ProcessPoolExecutor(max_workers=n, mp_context=mp.get_context("spawn"), max_tasks_per_child=1) as pool:
-        futures = {pool.submit(_check_in_child, plan, r): r for r in chosen}
+        futures = {pool.submit(_check_in_child, plan, r, microbatches): r for r in chosen}
         for fut in cf.as_completed(futures):
             r = futures[fut]
             try:

@@ -1,0 +1,294 @@
+"""The memory model against what the runtime allocates (issue "Memory truth", item 2).
+
+Each case builds a small Llama with the runtime exactly as ``apply_plan`` does, on rank 0 of a 4-rank ``"fake"``
+process group (collectives are no-ops: one process measures one rank), runs one step to make the optimizer
+states, then counts the second step with a live-storage counter (``tests/_live_bytes.py``: every tensor storage,
+split at the peak into parameters, gradients, optimizer states, activations and temporaries). The prediction is
+``estimate_step`` for the same configuration on the local CPU cluster (the autopar target, CPU layouts), from the
+workload traced off the same fp32 module. Model states are compared term by term; activations, logits and the
+FSDP2 buffers together with what the counter calls activations and temporaries; the peak as a whole within 10%.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from _live_bytes import LiveBytes
+from costmodel.profiles import make_cluster
+from costmodel.step import ParallelConfig, estimate_step, fsdp_buffer_bytes
+from costmodel.targets import load_target
+
+SPEC = "llama:layers=4,hidden=256,ffn=704,heads=4,kv_heads=4,vocab=1024,seq=128"
+SEQ, VOCAB, WORLD = 128, 1024, 4
+
+
+def _loss(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _fake_group(world: int = WORLD) -> None:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+
+
+def _ddp_no_op_hook(module) -> None:
+    """The fake group's all-reduce future carries no tensor, which DDP's default hook needs: hand the bucket back."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(module, DistributedDataParallel):
+        def hook(state, bucket):
+            fut = torch.futures.Future()
+            fut.set_result(bucket.buffer())
+            return fut
+        module.register_comm_hook(None, hook)
+
+
+def _model():
+    from planner.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model(SPEC, device="cpu").model
+    return model.float()
+
+
+def measure(*, zero: int, m: int, dp: int = WORLD) -> tuple[LiveBytes, dict]:
+    """Run the runtime on rank 0 of a fake ``dp``-rank group; the counter of the second step and facts."""
+    from runtime.apply import apply_plan
+    from runtime.manual_plan import manual_plan
+
+    _fake_group(dp)
+    try:
+        model = _model()
+        plan = manual_plan(model, dp=dp, zero_stage=zero, num_microbatches=m, microbatch_size=1, seq_len=SEQ)
+        pm = apply_plan(model, plan, loss_fn=_loss)
+        _ddp_no_op_hook(pm.module)
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+        g = torch.Generator().manual_seed(1)
+        x = torch.randint(0, VOCAB, (m, SEQ), generator=g)
+        y = torch.randint(0, VOCAB, (m, SEQ), generator=g)
+        pm.step(x, y)
+        opt.step()
+        opt.zero_grad()
+        counter = LiveBytes([pm.module], opt)
+        with counter:
+            pm.step(x, y)
+            counter.sample()
+            opt.step()
+            counter.sample()
+            opt.zero_grad()
+        return counter, {"params": sum(p.numel() for p in _model().parameters())}
+    finally:
+        dist.destroy_process_group()
+
+
+_WORKLOAD = {}
+
+
+def _workload():
+    if "w" not in _WORKLOAD:
+        from planner.workload import workload_from_module
+
+        model = _model()
+        _WORKLOAD["w"] = workload_from_module(model, (torch.zeros(1, SEQ, dtype=torch.long),), name="llama-small")
+    return _WORKLOAD["w"]
+
+
+def predict(*, zero: int, m: int, dp: int = WORLD):
+    wl, _ = _workload()
+    cfg = ParallelConfig(dp=dp, zero_stage=zero, microbatch=1, global_batch=dp * m)
+    return estimate_step(wl, cfg, make_cluster("local", 1, gpus_per_node=dp))
+
+
+def _parts(model):
+    """(one block's parameters, the root module's: embedding + final norm + head)."""
+    block = sum(p.numel() for p in model.model.layers[0].parameters())
+    total = sum(p.numel() for p in model.parameters())
+    return block, total - len(model.model.layers) * block
+
+
+CASES = [  # (name, zero, micro-batches)
+    ("ddp", 0, 2),
+    ("zero1", 1, 2),
+    ("zero2", 2, 2),
+    ("zero3", 3, 2),
+]
+
+
+@pytest.mark.parametrize("name, zero, m", CASES, ids=[c[0] for c in CASES])
+def test_each_category_is_what_the_runtime_allocates(name, zero, m):
+    counter, facts = measure(zero=zero, m=m)
+    est = predict(zero=zero, m=m)
+    n = facts["params"]
+    got = counter.at_peak
+    pred = {k: v * 1e9 for k, v in est.memory_breakdown_gb.items()}
+    assert pred["allocator_reserve"] == 0.0  # a CPU rank has no CUDA context or caching allocator
+    block, root = _parts(_model())
+    layer = load_target("autopar").memory_mode(est.config, gpu=False)
+    per = layer.term_bytes_per_param(WORLD)
+    # model states: the target's layout, byte for byte (ZeRO-3 adds the gathered root and block)
+    gathered = (root + block) * 4.0 if zero == 3 else 0.0
+    assert got["parameters"] == pytest.approx(n * per["weights"] + gathered, rel=0.01)
+    assert got["optimizer"] == pytest.approx(n * per["optimizer"], rel=0.01)
+    if zero == 0:  # DDP's bucket copy of the gradients is no .grad: the counter files it under temporaries
+        bucket = max(b for b, _ in counter.temporaries_at_peak)
+        assert got["gradients"] + bucket == pytest.approx(n * per["gradients"], rel=0.05)
+    elif zero == 1:  # accumulated unsharded over the micro-batches: the full fp32 gradient
+        assert got["gradients"] == pytest.approx(n * 4.0, rel=0.01)
+    else:  # sharded, plus the unsharded gradients FSDP2 still holds (root group, block in flight)
+        assert n * 4.0 / WORLD <= got["gradients"] <= n * 4.0 / WORLD + (root + block) * 4.0
+    assert sum(pred[k] for k in ("weights", "gradients", "optimizer")) == pytest.approx(
+        n * layer.bytes_per_param(WORLD), rel=1e-9)
+    # everything else: activations, logits, buffers against saved tensors and temporaries
+    rest_pred = pred["activations"] + pred["logits"] + pred["comm_buffers"] - gathered
+    rest_got = got["activations"] + got["temporaries"] + max(0.0, got["gradients"] - n * per["gradients"])
+    if zero == 0:
+        rest_got -= bucket
+    assert rest_got == pytest.approx(rest_pred, rel=0.25), (rest_got, rest_pred, got, pred)
+    assert counter.peak == pytest.approx(est.memory_gb_per_device * 1e9, rel=0.10), (counter.peak, got, pred)
+
+
+def test_zero1_and_zero2_differ_in_gradient_accumulation_and_traffic():
+    """ZeRO-1 keeps the full gradient over the micro-batches and reduces once; ZeRO-2 reduce-scatters each
+    micro-batch into the shard: the search weighs m reductions against 4 B per parameter."""
+    from costmodel.step import priced_collectives
+
+    wl, _ = _workload()
+    cl = make_cluster("local", 1, gpus_per_node=WORLD)
+    counts = {}
+    for zero in (1, 2):
+        cfg = ParallelConfig(dp=WORLD, zero_stage=zero, microbatch=1, global_batch=WORLD * 4)
+        counts[zero] = priced_collectives(wl, cfg, cl)[0][("dp", "reduce_scatter")][0]
+    assert (counts[1], counts[2]) == (1, 4)
+    z1, z2 = predict(zero=1, m=4), predict(zero=2, m=4)
+    assert z1.memory.terms["gradients"] > 3 * z2.memory.terms["gradients"]
+
+
+def test_fsdp_mixed_precision_on_cuda_only(monkeypatch):
+    """The runtime shards with MixedPrecisionPolicy(bf16, fp32) on CUDA and none on CPU; forced on a CPU rank,
+    the bf16 gathered parameters and the fp32 shards are what the target's CUDA layout prices."""
+    import runtime.data_parallel as rdp
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = rdp.mixed_precision("cuda")
+    assert isinstance(policy, MixedPrecisionPolicy)
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+    assert rdp.mixed_precision("cpu") is None
+    monkeypatch.setattr(rdp, "mixed_precision", lambda device_type: policy)
+    counter, facts = measure(zero=2, m=2)
+    n = facts["params"]
+    cfg = ParallelConfig(dp=WORLD, zero_stage=2, microbatch=1, global_batch=WORLD * 2)
+    cuda = load_target("autopar").memory_mode(cfg, gpu=True).term_bytes_per_param(WORLD)
+    assert cuda["weights"] == pytest.approx(2.0 + 4.0 / WORLD)
+    # bf16 unsharded copies of the parameters beside the fp32 shards: all of them but (at most) the block that
+    # the last backward resharded before the peak
+    block, _ = _parts(_model())
+    got = counter.at_peak["parameters"]
+    assert n * 4.0 / WORLD + (n - block) * 2.0 <= got <= n * cuda["weights"] * 1.001, (got, n)
+    assert counter.at_peak["optimizer"] == pytest.approx(n * cuda["optimizer"], rel=0.01)
+
+
+def test_eager_cross_entropy_holds_what_the_target_prices_per_logit():
+    """At the start of its backward the runtime's loss holds the logits, the fp32 log-softmax output and two
+    fp32 gradients: the logits' own bytes plus autopar's ``loss_bytes_per_logit`` (12), bf16 and fp32 logits."""
+    k = load_target("autopar").constants
+    tokens, hidden, vocab = 256, 32, 4096
+    for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2)):
+        head = torch.nn.Linear(hidden, vocab, bias=False).to(dtype)
+        x = torch.randn(1, tokens, hidden, dtype=dtype, requires_grad=True)
+        y = torch.randint(0, vocab, (1, tokens))
+        counter = LiveBytes([head])
+        with counter:
+            logits = head(x)  # held through the backward, as the runtime's micro-step and pipeline stage hold it
+            _loss(logits, y).backward()
+        other = 2 * sum(p.numel() * p.element_size() for p in head.parameters()) + 2 * x.numel() * x.element_size()
+        per_logit = (counter.peak - other) / (tokens * vocab)
+        assert per_logit == pytest.approx(size + k.loss_bytes_per_logit, rel=0.05), (dtype, per_logit)
+
+
+def test_fsdp_buffers_follow_the_stage():
+    kw = dict(dp=8, block_params=1e6, root_params=3e5, grad_bytes=4.0, gather_bytes=2.0)
+    assert fsdp_buffer_bytes(zero_stage=1, reduce_per_microbatch=False, **kw) == (0.0, 0.0)  # after the peak
+    assert fsdp_buffer_bytes(zero_stage=2, reduce_per_microbatch=True, **kw) == pytest.approx(
+        (0.0, 1e6 * 4.0 + 1.3e6 * 2.0))
+    assert fsdp_buffer_bytes(zero_stage=3, reduce_per_microbatch=True, **kw) == pytest.approx(
+        ((3e5 + 2e6) * 2.0, 2e6 * 4.0 + 1.3e6 * 2.0))
+    assert fsdp_buffer_bytes(zero_stage=3, reduce_per_microbatch=True, gpu=False, **kw)[0] == pytest.approx(
+        (3e5 + 1e6) * 2.0)
+    assert fsdp_buffer_bytes(zero_stage=3, reduce_per_microbatch=True, **dict(kw, dp=1)) == (0.0, 0.0)
+
+
+def test_cpu_and_gpu_layouts_differ_only_in_the_gathered_dtype():
+    t = load_target("autopar")
+    for zero, m in ((1, 4), (2, 4), (3, 4)):
+        cfg = ParallelConfig(dp=8, zero_stage=zero, microbatch=1, global_batch=8 * m)
+        gpu, cpu = t.memory_mode(cfg, gpu=True), t.memory_mode(cfg, gpu=False)
+        assert gpu.fsdp2 and cpu.fsdp2
+        diff = cpu.weights.replicated - gpu.weights.replicated
+        assert diff == (0.0 if zero == 3 else 2.0)  # fp32 vs bf16 unsharded parameters
+        assert dataclasses.replace(cpu.gradients) == gpu.gradients and cpu.optimizer == gpu.optimizer
+    one = ParallelConfig(dp=8, zero_stage=1, microbatch=1, global_batch=8)  # one micro-batch: ZeRO-1 is ZeRO-2
+    assert t.memory_mode(one, gpu=True).gradients.replicated == 0.0
+    assert copy.copy(t.memory_mode(ParallelConfig(dp=1, microbatch=1, global_batch=1))).name == "single"
+
+
+def _pipelined_rank(rank: int, world_size: int, zero: int, m: int) -> dict:
+    """One rank of pp2 x dp2 on gloo: the counter of its second step and its parameter count."""
+    from runtime.apply import apply_plan
+    from runtime.manual_plan import manual_plan
+
+    model = _model()
+    plan = manual_plan(model, dp=2, pp=2, zero_stage=zero, num_microbatches=m, microbatch_size=1, seq_len=SEQ,
+                       schedule="1f1b")
+    pm = apply_plan(model, plan, loss_fn=_loss)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, VOCAB, (2 * m, SEQ), generator=g)
+    y = torch.randint(0, VOCAB, (2 * m, SEQ), generator=g)
+    pm.step(x, y)
+    opt.step()
+    opt.zero_grad()
+    counter = LiveBytes(pm.pipeline.modules, opt)
+    with counter:
+        pm.step(x, y)
+        counter.sample()
+        opt.step()
+        counter.sample()
+        opt.zero_grad()
+    local = sum(p.numel() for p in pm.pipeline.parameters())  # this pp rank's parameters, whole (not shards)
+    return {"at_peak": counter.at_peak, "peak": counter.peak, "params": local, "pp_rank": pm.pipeline.pp_rank}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_pipelined_fsdp_accumulates_as_the_stage_says(zero):
+    """Under pipelining (pp2 x dp2, 1F1B, 4 micro-batches, gloo) ZeRO-1 keeps the full fp32 gradient until the
+    last micro-batch (torch's pipelining default) and ZeRO-2 / 3 reduce-scatter every micro-batch into the shard
+    (runtime/pipeline.py _Stage); the model states match the target's layout on every rank."""
+    from dist_utils import run_distributed
+
+    m = 4
+    got = run_distributed(_pipelined_rank, world_size=4, args=(zero, m), timeout_s=300)
+    cfg = ParallelConfig(dp=2, pp=2, zero_stage=zero, microbatch=1, global_batch=2 * m)
+    mode = load_target("autopar").memory_mode(cfg, gpu=False)
+    per = mode.term_bytes_per_param(2)
+    for r in got:
+        n = r["params"]
+        grads = r["at_peak"]["gradients"]
+        assert r["at_peak"]["optimizer"] == pytest.approx(n * per["optimizer"], rel=0.01)
+        if zero == 3:  # the shard, the chunk's root module gathered and at most one block
+            assert n * per["weights"] < r["at_peak"]["parameters"] < n * (per["weights"] + 4.0)
+        else:
+            assert r["at_peak"]["parameters"] == pytest.approx(n * per["weights"], rel=0.01)
+        if zero == 1:
+            assert grads == pytest.approx(n * 4.0, rel=0.01)
+        else:
+            assert n * 2.0 <= grads < n * 3.0  # the shard (4 B / dp) plus one group in flight
