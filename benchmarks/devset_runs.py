@@ -30,6 +30,8 @@ ASSUMPTIONS = (
     "distributed optimizer (ZeRO-1, Megatron-Bridge's recipes); torchtitan: FSDP2 over all GPUs (ZeRO-3)",
     "sequence parallelism whenever tp > 1 (Megatron-Bridge's recipes); fused (flash) attention; gradient "
     "reduction overlapped",
+    "GPT-OSS: its attention with per-head sinks traced as one exact sdpa call per layer (planner.sink_attention; "
+    "sliding-window layers as blocks of the window against 2 windows of keys)",
     "precision: BF16 -> bf16, FP8-CS -> fp8-cs, MXFP8 -> mxfp8, NVFP4 -> nvfp4; an unnamed FP8 recipe -> fp8-cs on "
     "Megatron-Bridge (its earlier releases name the same rows FP8-CS) and delayed-scaling fp8 on NeMo 24.07 "
     "(Transformer Engine's default then); 25.09 gives no precision: its plain figures are priced fp8-cs, its "
@@ -105,8 +107,10 @@ def _skip_reason(c: DevCase, dp: int) -> str | None:
         return f"tp*pp*cp={c.tp * c.pp * c.cp} does not divide the {c.num_gpus} GPUs"
     ep = c.ep or 1
     if dp % ep:
-        return (f"ep={ep} does not divide dp={dp}: Megatron-Core forms the expert-parallel group over tp x cp x dp "
-                "ranks (expert tensor parallel 1), autopar's ParallelConfig places ep inside dp")
+        return (f"ep={ep} does not divide dp={dp}: Megatron-Core folds the expert-parallel group over tp x cp x dp "
+                "ranks (MoE parallel folding, expert tensor parallel 1, the MoE block sequence-parallel over tp); "
+                "autopar's ParallelConfig places ep inside dp and its block strategies have no sequence-parallel "
+                "MoE block, so the tokens and experts per GPU of this layout cannot be described")
     if "nvl72" in c.system and c.num_gpus > NVL_DOMAIN and c.num_gpus % NVL_DOMAIN:
         return f"{c.num_gpus} GPUs do not fill NVLink domains of {NVL_DOMAIN}"
     return None

@@ -21,7 +21,8 @@ from costmodel.errors import AutoparError
 COMMANDS = (
     "trace", "plan", "explain",
     "whatif", "export", "diff",
-    "calibrate", "estimate", "validate",
+    "calibrate", "estimate", "validate", "check",
+    "launch",
 )
 
 
@@ -50,13 +51,22 @@ def build_parser() -> argparse.ArgumentParser:
         mod = importlib.import_module(f"cli.commands.{name}")
         p = sub.add_parser(mod.NAME, help=mod.HELP, description=mod.HELP, parents=[verbose], epilog=EPILOG)
         mod.add_arguments(p)
-        p.set_defaults(_run=mod.run)
+        p.set_defaults(_run=mod.run, _passthrough=getattr(mod, "PASSTHROUGH", False))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rest: list[str] | None = None
+    if "--" in argv:  # `autopar launch plan.json [opts] -- train.py ARGS`: what follows -- is the command's, verbatim
+        cut = argv.index("--")
+        argv, rest = argv[:cut], argv[cut + 1:]
     args = parser.parse_args(argv)
+    if rest is not None:
+        if not getattr(args, "_passthrough", False):
+            parser.error(f"unexpected arguments after --: {' '.join(rest)}")
+        args.passthrough = rest
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )

@@ -36,3 +36,7 @@ class PlanMismatchError(AutoparError):
 
 class ConfigError(AutoparError):
     """A parallel configuration is invalid (degrees do not divide, batch not divisible, ...)."""
+
+
+class RankFailureError(AutoparError):
+    """Another rank of a distributed run died or hung: the message names the rank(s) and the training step."""

@@ -315,10 +315,17 @@ def _chunk_arrays(ctx_key: _CtxKey, stage_layers: tuple[int, ...], mask: tuple[b
     return _chunk_cached(ctx_key, stage_layers, mask)
 
 
-def _p2p_s(workload: Workload, cluster: Cluster, *, pp: int, mb: int, tp: int, cp: int, dp: int) -> tuple[str, float]:
+def p2p_boundary_bytes(workload: Workload, *, mb: int, tp: int, cp: int, sp: bool, k: StepConstants) -> float:
+    """Bytes of the activation one rank sends from a pipeline stage to the next (and of the gradient it gets
+    back, and of each receive buffer): ``(mb, seq / cp, hidden)`` divided as the target's ``p2p_boundary`` says."""
+    return mb * workload.seq / cp * workload.hidden * workload.dtype_bytes / k.boundary_divisor(tp=tp, sp=sp)
+
+
+def _p2p_s(workload: Workload, cluster: Cluster, *, pp: int, mb: int, tp: int, cp: int, sp: bool, dp: int,
+           k: StepConstants) -> tuple[str, float]:
     if pp == 1:
         return "", 0.0
-    nbytes = mb * workload.seq / cp * workload.hidden * workload.dtype_bytes / tp
+    nbytes = p2p_boundary_bytes(workload, mb=mb, tp=tp, cp=cp, sp=sp, k=k)
     cc = collective_time_s("send_recv", nbytes, Group(size=2, stride=tp * cp * dp), cluster)
     return cc.link_kind, cc.time_s
 
@@ -461,7 +468,7 @@ def _pipeline(parts: tuple[_CtxKey, ...], classes: tuple[int, ...], cluster: ByI
         tw = ch["wgrad"]
         tb = tb - tw
     p2p_kind, p2p = _p2p_s(ctx_key.workload.obj, cluster.obj, pp=pp, mb=ctx_key.microbatch, tp=ctx_key.tp,
-                           cp=ctx_key.cp, dp=dp)
+                           cp=ctx_key.cp, sp=ctx_key.sp, dp=dp, k=ctx_key.constants)
     no_p2p, hops = pl._closed_form_terms(schedule, pp=pp, m=m, v=v, tf=tf, tb=tb, tw=tw)
     total = no_p2p + hops * p2p  # = pl._closed_form_s(..., p2p_s=p2p)
     per_rank = (tf + tb + tw).reshape(v, pp).sum(axis=0)
@@ -629,6 +636,21 @@ def fsdp_buffer_bytes(*, zero_stage: int, dp: int, block_params: float, root_par
     return (root_params + (2.0 if gpu else 1.0) * block_params) * gather_bytes, reducing
 
 
+def recv_buffer_bytes(workload: Workload, cfg: ParallelConfig, k: StepConstants, m: int) -> np.ndarray:
+    """Pipeline receive buffers per rank kept for the whole step where the target allocates them per
+    micro-batch (``recv_buffers_per_microbatch``): every chunk but the first gets one activation per micro-batch,
+    every chunk but the last one gradient. (Otherwise a stage holds the activations of the micro-batches in
+    flight, priced with them, and a gradient for as long as its backward runs.)"""
+    pp, v = cfg.pp, cfg.virtual_stages or 1
+    if pp == 1 or not k.recv_buffers_per_microbatch:
+        return np.zeros(pp)
+    each = p2p_boundary_bytes(workload, mb=cfg.microbatch, tp=cfg.tp, cp=cfg.cp,
+                              sp=cfg.sequence_parallel and cfg.tp > 1, k=k)
+    chunks = np.arange(pp * v)
+    receives = (chunks > 0).astype(float) + (chunks < pp * v - 1).astype(float)
+    return m * each * _per_rank(receives, v, pp)
+
+
 def _memory(workload: Workload, cfg: ParallelConfig, ch: dict[str, np.ndarray], dense: np.ndarray,
             expert: np.ndarray, m: int, mc: mem.MemoryConstants, gpu: np.ndarray, target: Target
             ) -> tuple[dict[str, np.ndarray], np.ndarray]:
@@ -662,6 +684,7 @@ def _memory(workload: Workload, cfg: ParallelConfig, ch: dict[str, np.ndarray], 
             buffers[r] += gathered + max(0.0, reducing - logits - float(block_act[r]))
         elif cfg.zero_stage == 3:  # two layers' gathered parameters (prefetch)
             buffers[r] += 2.0 * float(block[r]) * mc.weight_bytes
+    buffers = buffers + recv_buffer_bytes(w, cfg, target.constants, m)
     terms["comm_buffers"] = buffers
     subtotal = sum(terms.values())
     terms["allocator_reserve"] = np.where(gpu, mem.allocator_reserve_bytes(subtotal, mc), 0.0)

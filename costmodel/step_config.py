@@ -40,6 +40,9 @@ class PrecisionConstants:
     hardware), besides ``gemm_dtype``'s."""
 
 
+P2P_BOUNDARIES = ("full", "sequence_shard", "tp_slice")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StepConstants:
     """How one execution target runs a step: its kernels, overlaps and communication dtypes. Read from
@@ -84,6 +87,16 @@ class StepConstants:
     - ``zero2_reduce_per_microbatch``: ZeRO-2 reduce-scatters every micro-batch's gradients (m reductions a
       step, overlapped with every backward) rather than accumulating them and reducing once.
 
+    Pipeline (what the framework's stages send and keep between micro-batches):
+
+    - ``p2p_boundary``: the activation a pipeline stage sends to the next one (and the gradient it gets back):
+      ``full`` (every tp rank sends the whole ``(micro-batch, seq / cp, hidden)`` tensor), ``sequence_shard``
+      (``/ tp`` under sequence parallelism, whole otherwise) or ``tp_slice`` (``/ tp`` always: Megatron's
+      scatter / gather of the tp-replicated tensor).
+    - ``recv_buffers_per_microbatch``: each stage keeps one activation and one gradient receive buffer per
+      micro-batch of the step for the whole step (torch.distributed.pipelining ``PipelineStage``) rather than
+      for the micro-batches in flight.
+
     Communication: ``grad_reduce_bytes`` per gradient element of the data-parallel reduction,
     ``param_gather_bytes`` per parameter of the parameter all-gather (None: the workload's bytes per element,
     the dtype the parameters train in). ``precisions``: the GEMM precisions the
@@ -108,9 +121,21 @@ class StepConstants:
     zero3_passes_recompute: bool
     zero3_collectives_per_layer: int
     zero2_reduce_per_microbatch: bool
+    p2p_boundary: str
+    recv_buffers_per_microbatch: bool
     grad_reduce_bytes: float | None
     param_gather_bytes: float | None
     precisions: tuple[PrecisionConstants, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.p2p_boundary not in P2P_BOUNDARIES:
+            raise ConfigError(f"p2p_boundary {self.p2p_boundary!r}: choose one of {', '.join(P2P_BOUNDARIES)}")
+
+    def boundary_divisor(self, *, tp: int, sp: bool) -> int:
+        """What a pipeline boundary tensor is divided by on one rank (``p2p_boundary``)."""
+        if self.p2p_boundary == "tp_slice" or (self.p2p_boundary == "sequence_shard" and sp):
+            return tp
+        return 1
 
     def precision(self, name: str) -> PrecisionConstants:
         """The target's constants for GEMM precision ``name``; ConfigError when the target does not run it."""

@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from costmodel.errors import ConfigError, ProfileError
 from costmodel.profiles import PROFILES_DIR
-from costmodel.step_config import PRECISIONS, ParallelConfig, PrecisionConstants, StepConstants
+from costmodel.step_config import P2P_BOUNDARIES, PRECISIONS, ParallelConfig, PrecisionConstants, StepConstants
 
 TARGETS_DIR = PROFILES_DIR / "targets"
 TARGET_NAMES = ("autopar", "megatron", "torchtitan", "deepspeed")
@@ -57,6 +57,7 @@ CONSTANT_TABLES: dict[str, dict[str, type]] = {
                 "last_bucket_bytes": float, "zero3_flat_nic": bool, "zero3_passes_recompute": bool,
                 "zero3_collectives_per_layer": int,
                 "zero2_reduce_per_microbatch": bool},
+    "pipeline": {"p2p_boundary": str, "recv_buffers_per_microbatch": bool},
     "comm": {"grad_reduce_bytes": float, "param_gather_bytes": float},
 }
 _CONSTANT_TYPES = {k: t for table in CONSTANT_TABLES.values() for k, t in table.items()}
@@ -323,14 +324,16 @@ def _load(path: str) -> Target:
 
 
 SELECTIVE = ("attention", "op")
+_CHOICES: dict[str, tuple[str, ...]] = {"selective_recompute": SELECTIVE, "p2p_boundary": P2P_BOUNDARIES}
 
 
 def _constant(value: Any, kind: type, path: str, where: str) -> Any:
     if value == "model" and where.startswith("comm."):
         return None  # the workload's own bytes per element (the dtype the parameters train in)
     if kind is str:
-        if value not in SELECTIVE:
-            raise ProfileError(f"{path}: [{where}] = {value!r}; choose one of {', '.join(SELECTIVE)}")
+        choices = _CHOICES[where.rsplit(".", 1)[-1]]
+        if value not in choices:
+            raise ProfileError(f"{path}: [{where}] = {value!r}; choose one of {', '.join(choices)}")
         return value
     if kind is bool:
         ok = isinstance(value, bool)

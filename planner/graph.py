@@ -296,3 +296,43 @@ def find_block_groups(blocks: list[Block]) -> list[BlockGroup]:
 def coverage(graph: OpGraph) -> dict[str, int]:
     """Ops with no FLOP rule, by op name, with counts."""
     return dict(Counter(n.target for n in graph.nodes if not n.covered))
+
+
+def pipeline_blocker(graph: OpGraph, blocks: list[Block]) -> str:
+    """Why the blocks are no chain a pipeline can cut (empty when they are): at some boundary between two
+    consecutive blocks more than one tensor computed from parameters is read after it (a skip connection around
+    layers, a layer's second output used later). A pipeline stage hands one tensor to the next, so such a model
+    runs with pp = 1 only. Tensors computed from no parameter (masks, position ids, rotary tables) do not count:
+    the runtime recomputes them per stage. Linear in ops and edges."""
+    index = {name: i for i, b in enumerate(blocks) for name in b.ops}
+    consumers: dict[str, list[str]] = {}
+    for e in graph.edges:
+        consumers.setdefault(e.src, []).append(e.dst)
+    weighted: set[str] = set()  # ops whose output depends on a parameter (nodes are in execution order)
+    producers: dict[str, list[str]] = {}
+    for e in graph.edges:
+        producers.setdefault(e.dst, []).append(e.src)
+    for n in graph.nodes:
+        if n.params or any(p in weighted for p in producers.get(n.name, ())):
+            weighted.add(n.name)
+    cover = [0] * (len(blocks) + 1)  # cover[b]: weighted tensors crossing boundary b (block b-1 | block b)
+    examples: dict[int, list[str]] = {}
+    for src in weighted:
+        lo = index.get(src)
+        hi = max((index.get(d, -1) for d in consumers.get(src, ())), default=-1)
+        if lo is None or hi <= lo:
+            continue
+        cover[lo + 1] += 1
+        cover[hi + 1] -= 1
+        for b in range(lo + 1, min(hi, lo + 2) + 1):  # names for the first boundaries it crosses
+            examples.setdefault(b, []).append(src)
+    running = 0
+    for b in range(1, len(blocks)):
+        running += cover[b]
+        if running > 1:
+            names = ", ".join(sorted(examples.get(b, []))[:3]) + (", ..." if running > 3 else "")
+            return (f"{running} tensors computed from parameters cross the boundary between blocks "
+                    f"{blocks[b - 1].name!r} and {blocks[b].name!r} (ops {names}), "
+                    "so the blocks are not a chain a pipeline can cut (a skip connection around layers, or a layer's "
+                    "second output used later)")
+    return ""

@@ -14,7 +14,9 @@ Spec forms (see ``list_presets()`` for the preset names):
   ``mixtral:layers=..,hidden=..,ffn=..,heads=..,kv_heads=..,vocab=..,seq=..,experts=8,topk=2``;
 - a path to a Hugging Face ``config.json`` (or a directory holding one): the causal-LM class of its
   ``model_type``, random init, nothing downloaded; the sequence length is the config's
-  ``max_position_embeddings`` (Qwen2: 131,072) unless ``seq`` says otherwise;
+  ``max_position_embeddings`` (Qwen2: 131,072) unless ``seq`` says otherwise; attention through sdpa, GPT-OSS's
+  attention with sinks (which transformers runs only eagerly or with flex / flash kernels) through
+  ``planner.sink_attention``;
 - ``module.path:function[:key=value,...]``: user code returning ``(model, example_inputs)``, imported from the
   current directory and called with meta as the default device (``planner.user_code``); it may accept ``batch``,
   ``seq`` and the spec's keys as keyword arguments.
@@ -37,6 +39,7 @@ from types import MappingProxyType
 from typing import Any, Callable
 
 from costmodel.errors import ConfigError, UnsupportedModelError
+from planner import sink_attention
 from planner.dims import Arch, ModelDims
 from planner.user_code import build_user_model, looks_like_user_spec
 
@@ -363,6 +366,8 @@ def _hf_config_dims(spec: str) -> tuple[ModelDims, Callable]:
             if hasattr(text, name):
                 setattr(c.get_text_config() if hasattr(c, "get_text_config") else c, name, layers)
         kwargs = {"attn_implementation": "sdpa"}
+        if kind in sink_attention.MODEL_TYPES:  # softmax with per-head sinks: no sdpa in transformers
+            kwargs["attn_implementation"] = sink_attention.register()
         if experts:
             kwargs["experts_implementation"] = "batched_mm"
         try:

@@ -17,7 +17,7 @@ from typing import Any
 from costmodel.errors import ConfigError
 from costmodel.workload import LayerWork, Workload
 from planner.dims import complete_dims
-from planner.graph import Block, BlockGroup, OpGraph, find_block_groups, find_blocks
+from planner.graph import Block, BlockGroup, OpGraph, find_block_groups, find_blocks, pipeline_blocker
 from planner.models import ModelDims, build_model
 from planner.plan import model_fingerprint
 from planner.search.block_cost import GraphCoster
@@ -66,6 +66,7 @@ def workload_from_graph(graph: OpGraph, dims: ModelDims, *, name: str, batch: in
         "flops_bwd_recompute_per_seq": sum(b.flops_bwd_recompute for b in blocks) / batch,
         "traced_layers": graph.traced_layers,
         "unsupported_ops": dict(graph.unsupported),
+        "pipeline_blocker": pipeline_blocker(graph, blocks),
     }
     dtype_bytes = _DTYPE_BYTES.get(dtype, 4)
     coster = GraphCoster(graph=graph, blocks=blocks, seq=dims.seq, dtype_bytes=dtype_bytes)

@@ -14,7 +14,9 @@ tensors shaped like the parameter are placed like it). Keys are the model's FQNs
 reshards on load: a checkpoint saved as tp2 x pp2 on 4 ranks loads into dp2 on 2 ranks (each rank reads the
 pieces of the global tensors it now holds). Optimizer hyperparameters (param_groups: lr, betas) are not saved: the
 training script recreates them. ``autopar.json`` (written by rank 0 once every rank's data and the DCP metadata
-are on disk) marks a save complete: a run killed during a save resumes from the previous complete one.
+are on disk, through a temporary file renamed into place) marks a save complete: only marked saves are ever
+loaded, so a run killed during a save resumes from the previous complete one; an unmarked directory is removed
+when the same step is saved again or a later save completes.
 
 Async: saves use ``dcp.async_save`` (thread mode: the state is staged to CPU memory, training continues while a
 background thread writes) on a dedicated gloo process group, so the training collectives and the checkpoint's
@@ -140,8 +142,11 @@ class Checkpointer:
         return True
 
     def save(self, pm: Any, optimizer: torch.optim.Optimizer, *, step: int) -> Path:
-        self.wait()
+        """Start saving (async: staged to CPU memory now, written in the background); collective."""
         path = self.directory / f"step_{step:08d}"
+        if dist.get_rank() == 0 and path.exists() and not (path / MARKER).is_file():
+            shutil.rmtree(path, ignore_errors=True)  # an interrupted save of this step: never mixed into the new one
+        self.wait()
         meta = {
             "step": step, "world_size": dist.get_world_size(), "fingerprint": pm.plan.model.fingerprint,
             "degrees": {k: getattr(pm.plan.degrees, k) for k in ("tp", "cp", "pp", "dp", "ep")},
@@ -153,32 +158,48 @@ class Checkpointer:
             self._pending = (fut, meta, path)
         else:
             dcp.save(state, checkpoint_id=str(path))
-            self._finish(meta, path)
+            self._mark(meta, path)
+            dist.barrier()
         log.info("checkpoint step %d -> %s (%s)", step, path, "async" if self.async_save else "sync")
         return path
 
-    def wait(self) -> None:
-        """Block until the in-flight async save is on disk and marked complete."""
-        if self._pending is None:
+    def poll(self) -> None:
+        """Mark the in-flight async save complete if it is (non-blocking; any rank may call it at any time).
+        DCP's coordinator writes the metadata only after gathering every rank's write result, so any rank's
+        save future being done means the whole checkpoint is on disk: rank 0 writes the marker on its own."""
+        if self._pending is None or not self._pending[0].done():
             return
         fut, meta, path = self._pending
         self._pending = None
         fut.result()
-        self._finish(meta, path)
+        self._mark(meta, path)
 
-    def _finish(self, meta: dict[str, Any], path: Path) -> None:
+    def wait(self) -> None:
+        """Block until the in-flight async save is on disk and marked complete; collective (a barrier)."""
+        if self._pending is not None:
+            fut, meta, path = self._pending
+            self._pending = None
+            fut.result()
+            self._mark(meta, path)
+        dist.barrier(group=self._group)
+
+    def _mark(self, meta: dict[str, Any], path: Path) -> None:
         if dist.get_rank() == 0:
             tmp = path / (MARKER + ".tmp")
             tmp.write_text(json.dumps(meta, indent=1))
             tmp.replace(path / MARKER)
             self._prune()
-        dist.barrier(group=self._group)
 
     def _prune(self) -> None:
-        done = sorted((int(m.group(1)), p) for p in self.directory.iterdir()
-                      if (m := _STEP_DIR.match(p.name)) and (p / MARKER).is_file())
+        """Keep the newest ``keep`` complete saves; drop older ones and unmarked (interrupted) ones below them."""
+        steps = sorted((int(m.group(1)), p) for p in self.directory.iterdir() if (m := _STEP_DIR.match(p.name)))
+        done = [(n, p) for n, p in steps if (p / MARKER).is_file()]
         for _, p in done[:-self.keep]:
             shutil.rmtree(p, ignore_errors=True)
+        newest = done[-1][0] if done else -1
+        for n, p in steps:
+            if n < newest and not (p / MARKER).is_file():
+                shutil.rmtree(p, ignore_errors=True)
 
     def load_latest(self, pm: Any, optimizer: torch.optim.Optimizer) -> int:
         """Load the latest complete checkpoint into ``pm`` and ``optimizer`` (resharding to the running plan);

@@ -85,14 +85,18 @@ def manual_plan(
     seq_len: int = 0,
     name: str = "manual",
     shardings: tuple[ModuleSharding, ...] | None = None,
+    nodes: int = 1,
 ) -> Plan:
     """A Plan with the given degrees for ``model`` (module names from ``megatron_shardings`` when tp > 1).
 
     ``cp`` > 1: context parallel (``runtime.context_parallel``); ``seq_len`` (if given) must be divisible by 2 cp.
     ``recompute``: every stage's activation recomputation (none / selective / full), on the first
-    ``recompute_layers`` layers of each stage (-1: all)."""
+    ``recompute_layers`` layers of each stage (-1: all). ``nodes``: the plan's cluster is ``nodes`` local nodes of
+    world / nodes ranks each (the launch must match: ``runtime.mesh.check_launch``)."""
     degrees = ParallelDegrees(tp=tp, cp=cp, dp=dp, pp=pp)
     world = degrees.world_size
+    if nodes < 1 or world % nodes:
+        raise ConfigError(f"nodes={nodes} must be >= 1 and divide the world size {world}")
     if shardings is None:
         shardings = megatron_shardings(model, sequence_parallel=sequence_parallel) if tp > 1 else ()
     return Plan.build(
@@ -104,7 +108,8 @@ def manual_plan(
             num_layers=len(transformer_layers(model)),
             seq_len=seq_len,
         ),
-        cluster=ClusterInfo(name="local", num_devices=world, nodes=1, gpus_per_node=world, gpu="cpu"),
+        cluster=ClusterInfo(name="local", num_devices=world, nodes=nodes, gpus_per_node=world // nodes,
+                            gpu="cpu"),
         degrees=degrees,
         stages=_stages(model, pp=pp, world_size=world, recompute=recompute, recompute_layers=recompute_layers),
         shardings=shardings,

@@ -16,6 +16,9 @@ that the chunks chained together compute what the full model computes. Families:
   embeddings from ``model.rotary_emb`` in every chunk, sliding-window mask where the config asks for it;
 - ``gpt2``: ``GPT2LMHeadModel``.
 
+Any other model gets ``TracedAdapter`` for pipeline parallelism (``adapter_for(..., traced=True)``): its units
+come from a torch.fx trace of its forward (``runtime.traced_units``), and a chunk runs the traced nodes.
+
 Only the unpadded causal-LM path is supported (no attention mask, no KV cache), which is what training uses.
 The Mixtral load-balancing auxiliary loss is not part of the chunk outputs (the LM logits are).
 
@@ -227,15 +230,39 @@ def _has(model: nn.Module, fqn: str) -> bool:
     return True
 
 
-def adapter_for(model: nn.Module, *, purpose: str = "pipeline parallelism") -> ModelAdapter:
-    """Pick the adapter from the module structure; raise UnsupportedModelError naming the supported layouts
-    (``purpose``: what needs the adapter, for the message)."""
+class TracedAdapter(ModelAdapter):
+    """Any model whose forward is a chain of its layers: the units of a torch.fx trace (``runtime.traced_units``).
+    ``PipelineChunk`` runs the traced nodes of its units instead of ``embed`` / ``layer_context`` / ``run_layer``."""
+
+    family = "traced"
+
+    def __init__(self, model: nn.Module) -> None:
+        from runtime.traced_units import TracedUnits
+
+        self.traced = TracedUnits(model)
+        super().__init__(model)
+
+    def _layout(self, model: nn.Module) -> Layout:
+        t = self.traced
+        return Layout(family=f"{self.family} {t.model_name}", embed=tuple(t.units[0].modules), layers=t.layers,
+                      post=tuple(u.name for u in t.post_units))
+
+    def unit_of(self, fqn: str) -> int:
+        return self.traced.unit_of(fqn)
+
+
+def adapter_for(model: nn.Module, *, purpose: str = "pipeline parallelism", traced: bool = False) -> ModelAdapter:
+    """Pick the adapter from the module structure; without a family layout, ``traced=True`` gives the
+    ``TracedAdapter`` (which raises UnsupportedModelError naming why when the forward is no chain of its layers),
+    else raise UnsupportedModelError naming the supported layouts (``purpose``: what needs the adapter)."""
     if _has(model, "model.decoder.layers") and _has(model, "model.decoder.embed_positions"):
         return OptAdapter(model)
     if _has(model, "model.layers") and _has(model, "model.rotary_emb") and _has(model, "model.embed_tokens"):
         return LlamaAdapter(model)
     if _has(model, "transformer.h") and _has(model, "transformer.wpe"):
         return Gpt2Adapter(model)
+    if traced:
+        return TracedAdapter(model)
     raise UnsupportedModelError(
         f"{purpose} cannot run {type(model).__name__}: supported layouts are OPT "
         "(model.decoder.layers), Llama/Mistral/Mixtral (model.layers + model.rotary_emb) and GPT-2 "

@@ -12,12 +12,30 @@ identical on every rank: each rank takes its data-parallel slice) or this rank's
 It returns the global mean loss on every rank, with gradients averaged over data-parallel ranks.
 With context parallel (cp > 1) ``step`` also takes the whole sequence (B, T) of input ids and targets and keeps this
 rank's T / cp tokens (``runtime.context_parallel``); the loss is the mean over all tokens of all cp ranks.
+
+Checkpoints and resume (``auto_wrap(..., checkpoint_dir=D, checkpoint_every=N)``, or
+``pm.checkpoint_to(D, every_steps=N)``):
+
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    for step in range(pm.resume(opt), total_steps):    # loads the latest complete checkpoint; its step (0: none)
+        loss = pm.step(*batch(step)); opt.step(); opt.zero_grad()
+    pm.close()                                         # saves the last step and waits for the async save
+
+One ``step`` is one optimizer step. ``step`` counts them (``steps_done``); when ``steps_done`` is a positive
+multiple of N at the start of a step, it first saves model + optimizer + ``steps_done`` (``runtime.checkpoint``:
+async DCP, complete or invisible), i.e. the state after the previous ``opt.step()``.
+
+Failures: when a collective of ``step`` fails because another rank died or hung (the process group times out:
+``runtime.mesh.init_distributed``), ``step`` raises ``RankFailureError`` naming that rank and the step
+(``runtime.failures``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
@@ -35,12 +53,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 from costmodel.errors import ConfigError
 from planner.plan import Plan
+from runtime.checkpoint import Checkpointer
 from runtime.context_parallel import ContextParallel
 from runtime.data_parallel import average_gradients, set_microbatch_sync, unwrap
+from runtime.failures import diagnose, is_comm_failure
 from runtime.mesh import batch_rank_and_size, grad_mesh
 from runtime.pipeline import PipelineRunner
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+log = logging.getLogger(__name__)
 
 
 def logits_of(output: Any) -> torch.Tensor:
@@ -88,6 +109,53 @@ class ParallelModel:
         self._device = (
             torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
         )
+        self.steps_done = 0
+        """Optimizer steps completed (``step`` calls, plus the resumed checkpoint's step): the data position."""
+        self.checkpointer: Checkpointer | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._saved_step = 0
+
+    # --- checkpoints ----------------------------------------------------------------------------------------
+
+    def checkpoint_to(self, directory: str | Path, *, every_steps: int, async_save: bool = True, keep: int = 2) -> None:
+        """Save under ``directory`` every ``every_steps`` steps, keeping the newest ``keep`` (collective)."""
+        self.checkpointer = Checkpointer(directory, every_steps=every_steps, async_save=async_save, keep=keep)
+
+    def resume(self, optimizer: torch.optim.Optimizer) -> int:
+        """Load the latest complete checkpoint (any plan, any world size: DCP reshards) into the model and
+        ``optimizer``, which later saves hold too; returns ``steps_done``, the step to continue at (0 without a
+        checkpoint). Collective."""
+        if self.checkpointer is None:
+            raise ConfigError("resume() needs a checkpoint directory: auto_wrap(..., checkpoint_dir=DIR, "
+                              "checkpoint_every=N) or pm.checkpoint_to(DIR, every_steps=N)")
+        self._optimizer = optimizer
+        self.steps_done = self._saved_step = self.checkpointer.load_latest(self, optimizer)
+        if self.steps_done:
+            log.info("resumed at step %d from %s", self.steps_done, self.checkpointer.directory)
+        return self.steps_done
+
+    def _maybe_save(self) -> None:
+        ckpt = self.checkpointer
+        if ckpt is None:
+            return
+        if self._optimizer is None:
+            raise ConfigError("checkpoint_dir is set but no optimizer is known: call pm.resume(optimizer) before "
+                              "the first step, so checkpoints hold the optimizer state")
+        ckpt.poll()
+        if self.steps_done > self._saved_step and self.steps_done % ckpt.every_steps == 0:
+            ckpt.save(self, self._optimizer, step=self.steps_done)
+            self._saved_step = self.steps_done
+
+    def close(self) -> None:
+        """Save the last completed step (if not saved yet) and wait until the checkpoint is on disk and marked
+        complete. Collective; call once after the training loop."""
+        ckpt = self.checkpointer
+        if ckpt is None:
+            return
+        if self._optimizer is not None and self.steps_done > self._saved_step:
+            ckpt.save(self, self._optimizer, step=self.steps_done)
+            self._saved_step = self.steps_done
+        ckpt.wait()
 
     @property
     def plan(self) -> Plan:
@@ -134,9 +202,24 @@ class ParallelModel:
         return grad_mesh(self.mesh)
 
     def step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
-        """Forward + backward over the plan's micro-batches; the global mean loss (0-d tensor) on every rank."""
+        """Forward + backward over the plan's micro-batches; the global mean loss (0-d tensor) on every rank.
+        Saves a checkpoint first when one is due; ``RankFailureError`` when another rank died or hung."""
         if self.loss_fn is None:
             raise ConfigError("ParallelModel.step needs loss_fn: pass loss_fn= to apply_plan / auto_wrap")
+        try:
+            self._maybe_save()
+            loss = self._step(inputs, targets)
+        except Exception as e:
+            if not is_comm_failure(e) or not dist.is_initialized() or dist.get_world_size() == 1:
+                raise
+            failure = diagnose(e, step=self.steps_done + 1)
+            if failure is None:
+                raise
+            raise failure from e
+        self.steps_done += 1
+        return loss
+
+    def _step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
         inputs, targets = self._local_batch(inputs, targets)
         if self.context is not None:
             inputs, targets = self.context.shard_batch(inputs, targets)  # (B, T / cp) each: this rank's tokens

@@ -33,7 +33,8 @@ after its last module unless that is the LM head (whose colwise input layout gat
 
 Tied embeddings (OPT / GPT-2 tie ``lm_head.weight`` to the token embedding): when the embedding and the head are
 on different pipeline ranks, both hold the weight; it is made equal once (broadcast from the embedding's rank on
-the first step) and its gradient is summed over the two ranks after each step (Megatron's embedding group).
+the first step) and its gradient is summed over the two ranks after each step (Megatron's embedding group). Both
+ranks name it as the model does (``named_parameters()`` gives a tied weight once, under the embedding's FQN).
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ from costmodel.errors import ConfigError, PlanMismatchError
 from planner.plan import Plan, StagePlan
 from runtime.data_parallel import gradient_sync, set_microbatch_sync
 from runtime.mesh import batch_mesh
-from runtime.model_adapters import Layout, ModelAdapter, adapter_for
+from runtime.model_adapters import Layout, ModelAdapter, TracedAdapter, adapter_for
+from runtime.traced_units import graft_attrs
 
 logger = logging.getLogger(__name__)
 
@@ -82,13 +84,16 @@ def _unit_of(fqn: str, layout: Layout) -> int:
     )
 
 
-def cut_units(layout: Layout, stages: tuple[StagePlan, ...]) -> list[tuple[int, int]]:
-    """Per stage (in index order) the half-open unit range ``[lo, hi)`` it runs; checks the plan's cuts."""
+def cut_units(layout: Layout, stages: tuple[StagePlan, ...], *,
+              unit_of: Callable[[str], int] | None = None) -> list[tuple[int, int]]:
+    """Per stage (in index order) the half-open unit range ``[lo, hi)`` it runs; checks the plan's cuts.
+    ``unit_of(fqn)``: the unit of a stage module (default: by the family layout's FQNs)."""
     n_units = len(layout.units)
+    find = unit_of if unit_of is not None else (lambda f: _unit_of(f, layout))
     ranges: list[tuple[int, int]] = []
     for st in sorted(stages, key=lambda s: s.index):
         # aux modules (rotary embedding) go to every chunk with layers; a plan may list them anywhere
-        ids = sorted({_unit_of(f, layout) for f in st.modules if f not in layout.aux})
+        ids = sorted({find(f) for f in st.modules if f not in layout.aux})
         if not ids:
             raise PlanMismatchError(f"stage {st.index} has no modules: every pipeline chunk needs at least one")
         if ids != list(range(ids[0], ids[-1] + 1)):
@@ -125,18 +130,31 @@ class PipelineChunk(nn.Module):
         self.has_embedding = lo == 0
         self.layer_fqns = tuple(u for u in units if u in layout.layers)
         self.post_fqns = tuple(u for u in units if u in layout.post)
-        fqns = list(layout.embed if self.has_embedding else ())
-        fqns += [*self.layer_fqns, *self.post_fqns]
-        if self.layer_fqns:
-            fqns += list(layout.aux)
-        self.fqns = tuple(fqns)
         self.has_head = hi == len(layout.units)
         self.sp_mesh: Any | None = None
         """The tp DeviceMesh under sequence parallelism (set by ``build_pipeline``): see ``forward``."""
+        self._traced = adapter.traced if isinstance(adapter, TracedAdapter) else None
+        self._lo, self._hi = lo, hi
+        if self._traced is not None:
+            # the modules the chunk's traced nodes call or read, outermost first (a read attribute's module
+            # may sit inside another one this chunk holds: grafting it again is a no-op)
+            self._nodes = self._traced.chunk_nodes(lo, hi)
+            mods, attrs = self._traced.chunk_references(self._nodes)
+            fqns = sorted(mods, key=lambda f: f.count("."))
+            self.fqns = tuple(f for f in fqns if not any(f.startswith(o + ".") for o in fqns if o != f))
+            graft_attrs(self, model, attrs)
+        else:
+            fqns = list(layout.embed if self.has_embedding else ())
+            fqns += [*self.layer_fqns, *self.post_fqns]
+            if self.layer_fqns:
+                fqns += list(layout.aux)
+            self.fqns = tuple(fqns)
         for fqn in self.fqns:
             _graft(self, fqn, model.get_submodule(fqn))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._traced is not None:
+            return self._traced_forward(x)
         # Sequence parallel: activations cross chunk boundaries whole (B, T, H); a chunk shards the sequence
         # over tp before its first layer (after the embedding) and gathers it after its last module, unless
         # that is the LM head, whose ColwiseParallel input (Shard(1)) gathers it itself.
@@ -156,6 +174,21 @@ class PipelineChunk(nn.Module):
             # under an in-place op. One copy per micro-batch and chunk keeps that off the table.
             hidden = hidden.clone()
         return hidden  # (B, T, H), or logits (B, T, V) after the head
+
+    def _traced_forward(self, x: Any) -> Any:
+        """The traced nodes of the chunk's units (``runtime.traced_units``); sequence parallel as in ``forward``:
+        the hidden states sharded as the first layer / post unit gets them, gathered again at the chunk's end
+        unless it returns the model's output."""
+        sp = self.sp_mesh is not None and bool(self.layer_fqns or self.post_fqns)
+        mesh = self.sp_mesh
+        out = self._traced.run(
+            self, self._nodes, self._lo, self._hi, x,
+            on_entry=(lambda h: _to_sequence_shard(h, mesh)) if sp else None,
+            on_exit=(lambda h: _from_sequence_shard(h, mesh)) if sp else None,
+        )
+        if isinstance(out, torch.Tensor) and out._base is not None:
+            out = out.clone()  # as in forward: a view output loses FSDP2's pre-backward hook under in-place ops
+        return out
 
 
 def _to_sequence_shard(x: torch.Tensor, tp_mesh: Any) -> torch.Tensor:
@@ -187,8 +220,8 @@ def _graft(root: nn.Module, fqn: str, module: nn.Module) -> None:
 
 def cut_model(model: nn.Module, *, plan: Plan) -> list[PipelineChunk]:
     """All chunks of the plan, in stage-index order."""
-    adapter = adapter_for(model)
-    ranges = cut_units(adapter.layout, plan.stages)
+    adapter = adapter_for(model, traced=True)
+    ranges = cut_units(adapter.layout, plan.stages, unit_of=getattr(adapter, "unit_of", None))
     stages = sorted(plan.stages, key=lambda s: s.index)
     return [PipelineChunk(model, adapter=adapter, lo=lo, hi=hi, stage=st) for st, (lo, hi) in zip(stages, ranges)]
 
@@ -339,13 +372,15 @@ class PipelineRunner:
         return [self.chunks[i] for i in sorted(self.chunks)]
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """The local chunks' parameters under the model's own FQNs, each once."""
+        """The local chunks' parameters under the model's own FQNs, each once; a tied head weight under the
+        embedding's name (the name ``model.named_parameters()`` gives it, as without a pipeline)."""
         seen: set[int] = set()
-        for chunk in self.modules:
-            for name, p in chunk.named_parameters():
+        owner = {(t.head_chunk, t.head_name): t.embed_name for t in self._tied}
+        for idx in sorted(self.chunks):
+            for name, p in self.chunks[idx].named_parameters():
                 if id(p) not in seen:
                     seen.add(id(p))
-                    yield name, p
+                    yield owner.get((idx, name), name), p
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for _, p in self.named_parameters():

@@ -22,8 +22,9 @@ Style -> what is applied on the plan's "tp" mesh axis (Megatron-LM, Shoeybi et a
 
 Two things parallelize_module does not do and transformer code needs:
 - attention modules that reshape with an explicit head count (OPT: ``view(bsz, -1, self.num_heads, head_dim)``)
-  would silently fold heads into the sequence: ``num_heads`` / ``num_key_value_heads`` are divided by tp on the
-  parent of a colwise ``q_proj`` (Llama / Mixtral reshape with ``-1`` and need nothing).
+  would silently fold heads into the sequence: the head counts (``num_heads``, ``num_key_value_heads``, ``n_head``,
+  ``heads``, ...: ``HEAD_COUNT_ATTRS``) are divided by tp on the parent of colwise linears (Llama / Mixtral and
+  ``tests/models/gpt.py`` reshape with ``-1`` and need nothing).
 - under sequence parallel a "region" (the parent of colwise linears that owns no sequence-parallel norm:
   attention, Llama's MLP) reads its input's sequence length, so its ``hidden_states`` input is all-gathered by a
   forward pre-hook (DTensor Shard(1) -> Replicate, the backward is the matching reduce-scatter); the sequence is
@@ -227,17 +228,22 @@ def _check_divisible(modules: dict[str, nn.Module], styles: dict[str, str], tp: 
                 )
 
 
+HEAD_COUNT_ATTRS = ("num_heads", "num_key_value_heads", "num_attention_heads", "num_kv_heads", "n_head", "n_heads",
+                    "n_kv_heads", "heads", "kv_heads")
+"""Attribute names of head counts an attention module may reshape with (HF: ``num_heads`` /
+``num_key_value_heads``; nanoGPT ``n_head``; hand-written models ``heads``)."""
+
+
 def _divide_heads(modules: dict[str, nn.Module], styles: dict[str, str], tp: int) -> None:
-    """Local head counts on attention modules that reshape with an explicit head count."""
-    for fqn, style in styles.items():
-        if style != "colwise" or not fqn.endswith("q_proj"):
-            continue
-        attn = modules[_parent(fqn)]
-        for attr in ("num_heads", "num_key_value_heads"):
+    """Local head counts on attention modules that reshape with an explicit head count: on the parent of colwise
+    linears (q / k / v), each integer ``HEAD_COUNT_ATTRS`` attribute it has is divided by tp, once per module."""
+    for parent in sorted({_parent(f) for f, style in styles.items() if style == "colwise"}):
+        attn = modules.get(parent)
+        for attr in HEAD_COUNT_ATTRS:
             n = getattr(attn, attr, None)
-            if isinstance(n, int):
+            if isinstance(n, int) and not isinstance(n, bool):
                 if n % tp:
-                    raise ConfigError(f"{_parent(fqn)}.{attr}={n} not divisible by tp={tp}; choose tp dividing {n}")
+                    raise ConfigError(f"{parent}.{attr}={n} not divisible by tp={tp}; choose tp dividing {n}")
                 setattr(attn, attr, n // tp)
 
 

@@ -19,7 +19,8 @@ from typing import Any
 from dist_utils import run_distributed
 
 PARTS: dict[int, tuple[str, ...]] = {
-    2: ("test_runtime_tp:_tp2_body", "test_runtime_dp:_dp2_body", "test_runtime_wrap:_wrap_body"),
+    2: ("test_runtime_tp:_tp2_body", "test_runtime_dp:_dp2_body", "test_runtime_wrap:_wrap_body",
+        "test_runtime_anymodel:_mlp_pp2_body"),
     4: ("test_runtime_tp:_tp2_dp2_body", "test_runtime_anymodel:_handwritten_body"),
 }
 

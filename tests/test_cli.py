@@ -49,15 +49,14 @@ def test_every_command_has_json_and_says_its_exit_status():
     sub = next(a for a in parser._actions if a.dest == "command")
     for name, p in sub.choices.items():
         assert "exit status: 0 ok; 1 the answer is no" in p.format_help(), name
-        # export prints a framework's own config and calibrate writes a profile file: no --json yet (issue 13)
-        assert ("--json" in p._option_string_actions) == (name not in ("export", "calibrate")), name
+        assert "--json" in p._option_string_actions, name
     for name, words in (("estimate", "exits 1 when it does not fit"), ("diff", "1 when they differ"),
                         ("validate", "exits 1")):
         assert words in " ".join(sub.choices[name].description.split()), name
 
 
 @pytest.mark.parametrize("argv", [["explain", "{f}"], ["diff", "{f}", "{f}"], ["export", "{f}", "--to", "megatron"],
-                                  ["validate", "{f}"]])
+                                  ["validate", "{f}"], ["launch", "{f}", "--", "train.py"]])
 def test_a_binary_plan_file_is_a_clear_error(tmp_path, capsys, argv):
     f = tmp_path / "plan.json"
     f.write_bytes(bytes(range(128, 256)) * 4)
@@ -129,6 +128,10 @@ def test_export_of_planner_plans(plans, capsys):
     assert main(["export", str(plans["pp2"]), "--to", "deepspeed", "--force"]) == EXIT_OK
     cfg = json.loads(capsys.readouterr().out)
     assert cfg["zero_optimization"]["stage"] == plan.zero_stage and cfg["train_batch_size"] == plan.global_batch
+    assert main(["export", str(plans["pp2"]), "--to", "deepspeed", "--force", "--json"]) == EXIT_OK
+    doc = json.loads(capsys.readouterr().out)
+    assert json.loads(doc["text"]) == cfg and doc["target"] == "deepspeed" and doc["filename"].endswith(".json")
+    assert doc["memory"]["ranks"][0]["pp_rank"] == 0 and doc["memory"]["ranks"][0]["target_bytes"] > 0
 
 
 def test_explain_json_and_gantt_share_one_bubble_figure(plans, tmp_path, capsys, monkeypatch):

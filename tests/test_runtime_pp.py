@@ -130,10 +130,10 @@ def reference_run(family: str, *, tied: bool, batch: int, recompute: str = "none
         loss = lm_loss(model(ids).logits, tgt)
         loss.backward()
         out["losses"].append(loss.item())
-        named = model.named_parameters(remove_duplicate=False)  # a tied head under both names
-        out["grads"].append({n: p.grad.clone() for n, p in named if p.grad is not None})
+        # a tied head weight once, under the embedding's name (as the pipeline's ranks name it)
+        out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
         opt.step()
-    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     return out
 
 

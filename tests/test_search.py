@@ -244,15 +244,22 @@ def _compositions(n, lows):
 
 @pytest.mark.slow
 def test_flagship_gpt3_finds_twelve_virtual_stages():
-    """GPT-3 175B on 128 DGX-A100 (batch 1536): tp2 pp8 dp64 interleaved v=12 (above the old cap of 4) fits and
-    prices below v=4; the search must reach at most its step time."""
+    """GPT-3 175B on 128 DGX-A100 (batch 1536): tp4 pp8 dp32 interleaved v=12 (above the old cap of 4) fits and
+    prices below v=4 at the same degrees; the search must reach at most its step time. (tp2 no longer fits: the
+    activations the traced graph saves exceed Korthikanti's closed form, which the earlier version of this test
+    priced.)"""
     wl = gpt_workload(layers=96, hidden=12288, heads=96, vocab=51200, seq=2048)
     cl = make_cluster("dgx-a100-80gb", 128)
-    cfg = ParallelConfig(tp=2, pp=8, dp=64, microbatch=1, global_batch=1536, schedule="interleaved-1f1b",
-                         virtual_stages=12, sequence_parallel=True, zero_stage=2)
-    v12 = estimate_step(wl, cfg, cl)
+
+    def interleaved(v):
+        cfg = ParallelConfig(tp=4, pp=8, dp=32, microbatch=1, global_batch=1536, schedule="interleaved-1f1b",
+                             virtual_stages=v, sequence_parallel=True, zero_stage=2)
+        return estimate_step(wl, cfg, cl)
+
+    v12, v4 = interleaved(12), interleaved(4)
+    assert v12.fits and v12.step_time_s < v4.step_time_s
     res = driver.search(workload=wl, cluster=cl, global_batch=1536)
-    assert v12.fits and res.best.step_time_s <= v12.step_time_s * (1 + 1e-9)
+    assert res.best.step_time_s <= v12.step_time_s * (1 + 1e-9)
     assert res.bound_s <= res.best.step_time_s
 
 

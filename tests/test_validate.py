@@ -51,13 +51,15 @@ def test_row_error_is_relative_to_measured():
     # per step the slowest rank counts: steps (1.0, 0.8, 1.3) -> median 1.0, fastest 0.8
     times = ((0.9, 0.8, 1.3), (1.0, 0.7, 1.2))
     ms = [RankMeasurement(rank=r, step_times_s=t, step_time_s=sorted(t)[1], peak_rss_bytes=int(3e8),
-                          base_rss_bytes=int(1e8), losses=(1.0,) * 3) for r, t in enumerate(times)]
+                          base_rss_bytes=int(1e8), losses=(1.0,) * 3, peak_live_bytes=int(4e8) + r * int(1e8),
+                          live_bytes={"parameters": int(1e8)}) for r, t in enumerate(times)]
     assert step_times_s(ms) == [1.0, 0.8, 1.3]
     row = cmd._row(plan, ms)
     assert row["measured_s"] == 1.0 and row["fastest_s"] == 0.8 and row["error"] == pytest.approx(0.2)
-    assert row["measured_gb"] == pytest.approx(0.2)
+    assert row["measured_gb"] == pytest.approx(0.5)  # the fullest rank's live tensor bytes
+    assert row["memory_error"] == pytest.approx(0.0) and row["model_rss_gb"] == pytest.approx(0.2)
     table = cmd._format([row], header=True)
-    assert "+20.0%" in table and "0.800" in table and "1.200" in table
+    assert "+20.0%" in table and "0.800" in table and "1.200" in table and "+0.0%" in table
 
 
 TINY = "llama:layers=2,hidden=64,ffn=128,heads=2,kv_heads=2,vocab=128,seq=16"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 NAME = "calibrate"
@@ -17,6 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "while that many ranks train; 1 for a lone process's rates)")
     parser.add_argument("--quick", action="store_true", help="a short sweep (< 60 s on 2 CPU cores)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.add_argument("--json", action="store_true", help="print the written profile as JSON instead of a summary")
 
 
 DISPATCH_SPEC = "llama:layers={layers},hidden=16,ffn=32,heads=2,kv_heads=2,vocab=16,seq=8"
@@ -49,7 +51,7 @@ class _Bar:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cli.calibration_file import save_calibration
+    from cli.calibration_file import calibration_to_dict, save_calibration
     from runtime.measure.calibrate import run_calibration  # the CLI is the edge that may compose runtime
 
     bar = None if args.no_progress else _Bar()
@@ -60,6 +62,9 @@ def run(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.close()
     path = save_calibration(cal, args.out)
+    if args.json:
+        print(json.dumps({"written_to": str(path), "calibration": calibration_to_dict(cal)}, indent=1))
+        return 0
     print(f"calibrated {cal.device_name} ({cal.accelerator}, {cal.backend}) on {cal.date}")
     for fit in cal.matmul_fits:
         print(

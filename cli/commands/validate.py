@@ -172,13 +172,18 @@ def run(args: argparse.Namespace) -> int:
 def _row(plan, got) -> dict:
     """One table row. ``measured_s`` is the median step (a shared machine's other jobs slow some steps; the
     calibration, measured with the same ranks at once just before, keeps its median blocks alike),
-    ``fastest_s`` the fastest."""
+    ``fastest_s`` the fastest. ``measured_gb``: the fullest rank's peak live tensor bytes (the memory the plan's
+    ``memory_gb_per_device`` describes; ``runtime.measure.validate``), ``memory_error`` the prediction's error
+    relative to it."""
     import statistics
 
     from runtime.measure.validate import step_times_s
 
     steps = step_times_s(got)
     measured_s = statistics.median(steps)
+    fullest = max(got, key=lambda m: m.peak_live_bytes)
+    # the largest peak of live tensor bytes over ranks (on CUDA: torch.cuda.max_memory_allocated where larger)
+    measured_gb = max(max(m.peak_live_bytes, m.cuda_max_allocated_bytes) for m in got) / 1e9
     predicted_s = plan.prediction.step_time_s
     return {
         "plan": _label(plan),
@@ -187,7 +192,13 @@ def _row(plan, got) -> dict:
         "fastest_s": min(steps),
         "error": (predicted_s - measured_s) / measured_s,
         "predicted_gb": plan.prediction.memory_gb_per_device,
-        "measured_gb": max(m.model_rss_bytes for m in got) / 1e9,
+        "measured_gb": measured_gb,
+        "memory_error": (plan.prediction.memory_gb_per_device - measured_gb) / measured_gb if measured_gb else None,
+        "measured_by_category_gb": {k: v / 1e9 for k, v in fullest.live_bytes.items()},
+        "measured_peak_where": fullest.peak_live_where,
+        "per_rank_live_gb": [m.peak_live_bytes / 1e9 for m in got],
+        "cuda_max_allocated_gb": max(m.cuda_max_allocated_bytes for m in got) / 1e9,
+        "model_rss_gb": max(m.model_rss_bytes for m in got) / 1e9,
         "peak_rss_gb": max(m.peak_rss_bytes for m in got) / 1e9,
         "per_rank_s": [m.step_time_s for m in got],
         "breakdown_s": dict(plan.prediction.breakdown_s),
@@ -198,10 +209,11 @@ def _format(rows: list[dict], *, header: bool) -> str:
     lines = []
     if header:
         lines.append(f"{'plan':<36} {'pred s':>8} {'meas s':>8} {'error':>7} {'best s':>8} {'pred GB':>8} "
-                     f"{'meas GB':>8} {'RSS GB':>7}  per-rank median s")
+                     f"{'meas GB':>8} {'mem err':>7} {'RSS GB':>7}  per-rank median s")
     for r in rows:
         ranks = " ".join(f"{t:.3f}" for t in r["per_rank_s"])
+        mem_err = "-" if r["memory_error"] is None else f"{100 * r['memory_error']:+.1f}%"
         lines.append(f"{r['plan']:<36} {r['predicted_s']:>8.3f} {r['measured_s']:>8.3f} {100 * r['error']:>+6.1f}% "
-                     f"{r['fastest_s']:>8.3f} {r['predicted_gb']:>8.3f} {r['measured_gb']:>8.3f} "
+                     f"{r['fastest_s']:>8.3f} {r['predicted_gb']:>8.3f} {r['measured_gb']:>8.3f} {mem_err:>7} "
                      f"{r['peak_rss_gb']:>7.3f}  {ranks}")
     return "\n".join(lines)

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
-from costmodel.errors import AutoparError, ConfigError, InfeasiblePlanError
+from costmodel.errors import AutoparError, ConfigError, InfeasiblePlanError, UnsupportedModelError
 from planner.search import bounds as bd
 from planner.search import space as sp
 from planner.search.cuts import even_split, propose_cuts, propose_interleaved_cuts
@@ -593,6 +593,18 @@ def plan_model(
     return min(plans, key=lambda p: (not p.prediction.fits, p.prediction.step_time_s))
 
 
+def _unpipelined(fix: Any, *, blocker: str, name: str) -> Any:
+    """``fix`` with pp pinned to 1 when the traced blocks are no chain (``planner.graph.pipeline_blocker``): the
+    runtime cannot cut such a model into pipeline stages. A fix asking for pp > 1 is refused naming why."""
+    if not blocker:
+        return fix
+    fixed = sp.parse_fix(fix)
+    if fixed.get("pp", 1) != 1:
+        raise UnsupportedModelError(f"{name}: {blocker}; pipeline parallelism cannot run it: plan with --fix pp=1")
+    log.info("%s: %s; planning with pp=1", name, blocker)
+    return {**fixed, "pp": 1}
+
+
 def _plan_one(model: Any, cluster: Any, *, global_batch: int, seq: int | None, time_limit_s: float | None, fix: Any,
               options: sp.SearchOptions | None, progress: Progress | None, record_timings: bool, target: Any,
               precision: str, estimate: Estimator, example_inputs: Any):
@@ -611,6 +623,7 @@ def _plan_one(model: Any, cluster: Any, *, global_batch: int, seq: int | None, t
     if sp_tps is not None:
         options = replace(options or sp.SearchOptions(), sequence_parallel_tps=sp_tps)
     w = loaded.workload
+    fix = _unpipelined(fix, blocker=str(w.meta.get("pipeline_blocker", "")), name=loaded.model_info.name)
     refuse = functools.partial(target.refusals, experts=w.experts, tied_embeddings=w.tied_embeddings, glu=w.glu)
     result = search(workload=w, cluster=cluster, global_batch=global_batch, options=options, estimate=estimate,
                     fix=fix, time_limit_s=time_limit_s, progress=progress, refuse=refuse, precision=precision)

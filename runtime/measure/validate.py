@@ -14,19 +14,23 @@ autocast (``compute_dtype(calibration, "auto")`` picks it on CPUs without native
 ``calibrate_after=True``: the ranks then run the quick compute calibration sweep together, so the plan can be
 priced with the machine as it was during its steps.
 
-Memory: ``peak_rss_bytes`` is the process's peak resident set (``getrusage`` ``ru_maxrss``), ``base_rss_bytes`` the
-resident set before the model is built (torch, the interpreter and gloo buffers); the difference is what the cost
-model's per-device memory describes.
+Memory: ``peak_live_bytes`` is the peak of the live tensor bytes PyTorch allocates (``runtime.measure.live_bytes``:
+every storage from ``apply_plan`` on, by category), over two steps run before the warm-up (the second has the
+optimizer states from the first, as every later step has), with the counter off during the timed steps (its
+dispatch hook would slow them); on CUDA also ``torch.cuda.max_memory_allocated`` over all steps.
+``peak_rss_bytes`` is the process's peak resident set (``getrusage`` ``ru_maxrss``), ``base_rss_bytes`` the
+resident set before the model is built (torch, the interpreter and gloo buffers).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import resource
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -57,6 +61,13 @@ class RankMeasurement:
     peak_rss_bytes: int
     base_rss_bytes: int
     losses: tuple[float, ...]
+    peak_live_bytes: int = 0
+    """Peak live tensor bytes of a step (module docstring)."""
+    live_bytes: dict = field(default_factory=dict)
+    """``peak_live_bytes`` by category (``runtime.measure.live_bytes.CATEGORIES``)."""
+    peak_live_where: str = ""
+    cuda_max_allocated_bytes: int = 0
+    """``torch.cuda.max_memory_allocated`` over the steps (0 on CPU)."""
     compute_sweep: tuple = ()
     """With ``calibrate_after``: this rank's (matmul, memory-bound, dispatch) calibration points, measured right
     after the steps with every rank at once (``runtime.measure.compute.compute_sweep``)."""
@@ -143,27 +154,57 @@ def _rank(rank: int, world: int, plan: Plan, model_factory: Callable[[], nn.Modu
 
 
 def _measure(rank: int, plan: Plan, model_factory: Callable[[], nn.Module], cfg: dict[str, Any]) -> RankMeasurement:
+    from runtime.measure.live_bytes import LiveBytes, fsdp_comm_labels, label_gradients, track_grads
+
     base = _rss_bytes()
     model = model_factory()
-    pm = apply_plan(model, plan, loss_fn=lm_loss, seed=0)
+    mt = LiveBytes()
+    labels = contextlib.ExitStack()
+    labels.enter_context(fsdp_comm_labels(mt))
+    with mt, mt.phase("other", "setup"):
+        pm = apply_plan(model, plan, loss_fn=lm_loss, seed=0)
+    params = list(pm.parameters())
+    mt.relabel(params, "parameters")
+    hooks = track_grads(mt, params)
+    mt.reset_peak()
     vocab = _vocab_of(model)
-    opt = _optimizer(pm.parameters())
+    opt = _optimizer(params)
     gen = torch.Generator().manual_seed(1234)
     rows, seq = plan.global_batch, max(plan.model.seq_len, 1)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg["compute_dtype"] == "bf16")
+    cuda = torch.cuda.is_available() and next(iter(params)).is_cuda
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    modules = pm.pipeline.modules if pm.pipeline is not None else [pm.module]
     times, losses = [], []
-    for i in range(cfg["warmup"] + cfg["steps"]):
+    memory_steps = 2
+    for i in range(memory_steps + cfg["warmup"] + cfg["steps"]):
+        if i == memory_steps:
+            for h in hooks:
+                h.remove()
+            labels.close()
         ids = torch.randint(0, vocab, (rows, seq + 1), generator=gen)
         dist.barrier()
+        tracked = mt if i < memory_steps else contextlib.nullcontext()
         t0 = time.perf_counter()
-        with autocast:
-            loss = pm.step(ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        with tracked:
+            with autocast, mt.phase("activations", f"step {i} forward / backward"):
+                loss = pm.step(ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
+            if i < memory_steps:
+                label_gradients(mt, params, modules)
+            with mt.phase("temporaries", f"step {i} optimizer"):
+                opt.step()
+            if i < memory_steps:
+                for o in opt.optimizers:
+                    mt.relabel([v for st in o.state.values() for v in st.values() if isinstance(v, torch.Tensor)],
+                               "optimizer")
+            opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
-        if i >= cfg["warmup"]:
+        if i >= memory_steps + cfg["warmup"]:
             times.append(dt)
             losses.append(float(loss))
+    labels.close()
+    cuda_peak = torch.cuda.max_memory_allocated() if cuda else 0
     dist.barrier()
     peak = _peak_rss_bytes()
     sweep: tuple = ()
@@ -175,6 +216,8 @@ def _measure(rank: int, plan: Plan, model_factory: Callable[[], nn.Module], cfg:
     return RankMeasurement(
         rank=rank, step_times_s=tuple(times), step_time_s=statistics.median(times),
         peak_rss_bytes=peak, base_rss_bytes=base, losses=tuple(losses), compute_sweep=sweep,
+        peak_live_bytes=mt.peak, live_bytes=dict(mt.peak_by_category), peak_live_where=mt.peak_where,
+        cuda_max_allocated_bytes=cuda_peak,
     )
 
 

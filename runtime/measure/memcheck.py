@@ -1,0 +1,555 @@
+"""Peak memory of a plan's ranks as the runtime would allocate it, measured on fake tensors in this process.
+
+``check_plan(plan, ranks="first,middle,last")`` measures each chosen rank in turn: the default process group is
+torch's ``"fake"`` backend at the plan's world size with this rank's number (collectives return at once,
+nothing is sent), the model is built on the meta device (``planner.models.build_model``) and the plan applied by
+``runtime.apply_plan`` as in a real run, with two changes: the parameters are materialised as fake tensors
+(``to_empty`` under a ``FakeTensorMode``: storages with sizes and no memory; the seeded init is skipped, values
+do not matter here) and the data-parallel wrappers are built under the same mode. Then one training step runs
+on fake token batches (``plan.global_batch`` x ``plan.model.seq_len``, under ``torch.autocast`` bf16 with fp32
+parameters, as ``autopar validate`` runs it) with the optimizer the measurement wing uses (fused AdamW,
+``runtime.measure.validate``) whose states exist from a step before (the steady state of step two onwards):
+
+- pp = 1: ``ParallelModel.step`` itself (micro-batches in turn, DDP's ``no_sync`` but on the last, the loss
+  all-reduce), then ``optimizer.step()``;
+- pp > 1: this rank's own actions of the plan's torch schedule (``pipeline_order_with_comms`` of the
+  interleaved / zero-bubble runtime schedules, ``pipeline_order`` of GPipe / 1F1B) in their order on the
+  runtime's ``PipelineStage`` objects: forward per micro-batch, the last stage's loss, full / input / weight
+  backward through ``stage.backward_maybe_with_nosync`` (FSDP2's gradient sync off for all but the reduce, as
+  torch's schedules run it), FSDP2 unshard / reshard, ``perform_reduce_grad``; sends and receives are no-ops
+  whose buffers are allocated as ``PipelineStage`` allocates them (one activation and one gradient receive
+  buffer per micro-batch and chunk, kept across steps; the input gradients kept to the step's end), of shape
+  (micro-batch, seq / cp, hidden) in the parameters' dtype; then the tied-embedding gradient all-reduce, the
+  ZeRO-0 gradient averaging and ``optimizer.step()``.
+
+The count is ``runtime.measure.live_bytes.LiveBytes``: live storages by category at the peak. The prediction
+beside it is the plan's: ``StagePlan.predicted_memory_gb`` of the rank's pipeline rank, and by term only for
+the rank the plan's ``memory_breakdown_gb`` describes (the fullest). A rank exceeds its device when the measured
+live bytes plus the predicted allocator reserve (CUDA context and fragmentation margin on GPUs,
+``costmodel.memory.allocator_reserve_bytes``) are more than the bytes PyTorch can allocate on it
+(``Accelerator.memory_bytes``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from costmodel.errors import ConfigError
+from planner.plan import Plan
+from runtime.measure.live_bytes import CATEGORIES, LiveBytes, fsdp_comm_labels, label_gradients, track_grads
+
+log = logging.getLogger(__name__)
+
+PREDICTED_TERMS = {
+    "parameters": ("weights",),
+    "gradients": ("gradients",),
+    "optimizer": ("optimizer",),
+    "activations": ("activations", "logits"),
+    "temporaries": (),
+    "comm_buffers": ("comm_buffers",),
+    "other": (),
+}
+"""Which of the cost model's memory terms (``costmodel.memory``) each measured category is compared with; the
+allocator reserve is not a tensor and is added to the measurement for the capacity check instead."""
+
+RANK_CHOICES = ("first", "middle", "last", "all-distinct")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankMemory:
+    """One rank's measured peak beside the plan's prediction (bytes)."""
+
+    rank: int
+    coords: dict[str, int]
+    """The rank's index on each mesh axis (pp, dp, ep, cp, tp)."""
+    measured_peak: int
+    measured: dict[str, int]
+    """Live bytes by category (``live_bytes.CATEGORIES``) at the peak."""
+    peak_where: str
+    """The step phase the peak fell in (``forward 3F5``, ``backward 1B0``, ``optimizer``, ...)."""
+    local_param_bytes: int
+    """Bytes of the distinct storages holding this rank's local parameter shards."""
+    local_param_numel_bytes: int
+    """Elements x element size of the local shards (below ``local_param_bytes`` by FSDP2's shard padding)."""
+    predicted_total: float
+    """The plan's per-device memory of this pipeline rank, allocator reserve included."""
+    predicted_reserve: float
+    """The allocator reserve in it: the plan's ``allocator_reserve`` term (the fullest rank's) when this is that
+    rank, else recomputed from the prediction's other terms."""
+    predicted: dict[str, float] | None
+    """The prediction by measured category (``PREDICTED_TERMS``) where the plan has it for this rank."""
+    capacity: float
+    """Bytes PyTorch can allocate on the rank's device."""
+    reserve_for_measured: float
+    """The allocator reserve the measured peak needs on the device (CUDA context + fragmentation on a GPU)."""
+    seconds: float
+    notes: tuple[str, ...] = ()
+
+    @property
+    def predicted_tensors(self) -> float:
+        """The prediction without the allocator reserve: what live tensor bytes are compared with."""
+        return self.predicted_total - self.predicted_reserve
+
+    @property
+    def error(self) -> float:
+        """(predicted - measured) / measured of the live tensor bytes."""
+        return (self.predicted_tensors - self.measured_peak) / max(self.measured_peak, 1)
+
+    @property
+    def exceeds(self) -> bool:
+        return self.measured_peak + self.reserve_for_measured > self.capacity
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank, "coords": dict(self.coords), "measured_peak_bytes": self.measured_peak,
+            "measured_bytes": dict(self.measured), "peak_where": self.peak_where,
+            "local_param_bytes": self.local_param_bytes, "local_param_numel_bytes": self.local_param_numel_bytes,
+            "predicted_total_bytes": self.predicted_total, "predicted_reserve_bytes": self.predicted_reserve,
+            "predicted_tensor_bytes": self.predicted_tensors,
+            "predicted_bytes": None if self.predicted is None else dict(self.predicted),
+            "error": self.error, "capacity_bytes": self.capacity,
+            "reserve_for_measured_bytes": self.reserve_for_measured, "exceeds_capacity": self.exceeds,
+            "seconds": self.seconds, "notes": list(self.notes),
+        }
+
+
+# --- which ranks -----------------------------------------------------------------------------------------------
+
+
+def rank_coords(plan: Plan, rank: int) -> dict[str, int]:
+    """``rank``'s index on each mesh axis (row-major over ``plan.mesh``, tp innermost)."""
+    out: dict[str, int] = {}
+    rest = rank
+    for name, size in reversed(list(zip(plan.mesh.axis_names, plan.mesh.axis_sizes))):
+        out[name] = rest % size
+        rest //= size
+    return {name: out[name] for name in plan.mesh.axis_names}
+
+
+def rank_of(plan: Plan, coords: dict[str, int]) -> int:
+    r = 0
+    for name, size in zip(plan.mesh.axis_names, plan.mesh.axis_sizes):
+        r = r * size + coords.get(name, 0)
+    return r
+
+
+def distinct_ranks(plan: Plan, spec: str = "first,middle,last") -> list[int]:
+    """Global ranks to measure. ``first`` / ``middle`` / ``last``: the first rank of the first, middle and last
+    pipeline rank (every other axis at 0); ``all-distinct``: every pipeline rank, each with the first and the
+    last shard of tp, ep and dp (where uneven shards or padding could differ); or explicit ranks ``0,5,9``."""
+    world = plan.degrees.world_size
+    words = [w.strip() for w in spec.split(",") if w.strip()]
+    if not words:
+        raise ConfigError(f"--ranks {spec!r} names no rank; give first,middle,last, all-distinct or rank numbers")
+    sizes = dict(zip(plan.mesh.axis_names, plan.mesh.axis_sizes))
+    pp = sizes["pp"]
+    out: list[int] = []
+    for w in words:
+        if w == "all-distinct":
+            for p in range(pp):
+                for tp in sorted({0, sizes["tp"] - 1}):
+                    for ep in sorted({0, sizes["ep"] - 1}):
+                        for dp in sorted({0, sizes["dp"] - 1}):
+                            out.append(rank_of(plan, {"pp": p, "tp": tp, "ep": ep, "dp": dp}))
+        elif w in ("first", "middle", "last"):
+            p = {"first": 0, "middle": pp // 2, "last": pp - 1}[w]
+            out.append(rank_of(plan, {"pp": p}))
+        else:
+            try:
+                r = int(w)
+            except ValueError:
+                raise ConfigError(f"--ranks: {w!r} is not one of {', '.join(RANK_CHOICES)} or a rank number") from None
+            if not 0 <= r < world:
+                raise ConfigError(f"--ranks: rank {r} is outside the plan's world of {world} ranks (0-{world - 1})")
+            out.append(r)
+    return sorted(set(out))
+
+
+# --- the prediction ------------------------------------------------------------------------------------------
+
+
+def _capacity_and_reserve(plan: Plan, pp_rank: int) -> tuple[float, Callable[[float], float]]:
+    from costmodel.memory import allocator_reserve_bytes
+    from costmodel.profiles import get_accelerator
+
+    stage = next(s for s in sorted(plan.stages, key=lambda s: s.index) if s.pp_rank == pp_rank)
+    names = (stage.gpu or plan.cluster.gpu).split("+")
+    accs = [get_accelerator(n) for n in names]
+    capacity = min(a.memory_bytes for a in accs)
+    gpu = any(a.kind == "gpu" for a in accs)
+    return capacity, functools.partial(allocator_reserve_bytes, gpu=gpu)
+
+
+def predicted_for(plan: Plan, pp_rank: int) -> tuple[float, float, dict[str, float] | None]:
+    """(total, allocator reserve, by measured category or None) the plan predicts for ``pp_rank``'s devices."""
+    stages = [s for s in plan.stages if s.pp_rank == pp_rank]
+    total = stages[0].predicted_memory_gb * 1e9
+    terms = {k: v * 1e9 for k, v in plan.prediction.memory_breakdown_gb.items()}
+    worst = max(s.predicted_memory_gb for s in plan.stages)
+    mine = stages[0].predicted_memory_gb == worst and terms and math.isclose(
+        sum(terms.values()), total, rel_tol=1e-6)
+    if mine:
+        by_cat = {c: sum(terms.get(t, 0.0) for t in ts) for c, ts in PREDICTED_TERMS.items()}
+        return total, terms.get("allocator_reserve", 0.0), by_cat
+    _, reserve_fn = _capacity_and_reserve(plan, pp_rank)
+    # total = subtotal + reserve(subtotal), reserve linear in subtotal: solve for the reserve
+    r0, r1 = reserve_fn(0.0), reserve_fn(1.0) - reserve_fn(0.0)
+    subtotal = (total - r0) / (1.0 + r1) if total > r0 else total
+    return total, total - subtotal, None
+
+
+# --- the runtime on fake tensors --------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _fake_runtime(fake: Any) -> Iterator[None]:
+    """``runtime.parallelize`` materialises as fake tensors (``to_empty`` under ``fake``) and DDP is built under
+    ``fake`` (its buckets fake too); the rest of ``apply_plan`` runs as it is (mesh coordinates are real)."""
+    import runtime.data_parallel as rdp
+    import runtime.parallelize as rp
+    from runtime.materialize import retie, tied_parameters
+
+    saved = rp.materialize, rdp.DistributedDataParallel
+
+    def materialize(model: nn.Module, *, device: Any = "cpu", seed: int = 0, init_fn: Any = None,
+                    init_owner: Any = None) -> nn.Module:
+        ties = tied_parameters(model)
+        with fake:
+            model.to_empty(device=device)
+        retie(model, ties)
+        return model
+
+    class FakeDDP(saved[1]):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            with fake:
+                super().__init__(*args, **kwargs)
+
+    rp.materialize, rdp.DistributedDataParallel = materialize, FakeDDP
+    try:
+        yield
+    finally:
+        rp.materialize, rdp.DistributedDataParallel = saved
+
+
+def build_model_for(spec: str, batch: int, seq: int) -> nn.Module:
+    """The meta-device model of ``spec`` (what ``autopar validate`` builds in each rank)."""
+    from planner.models import build_model
+
+    return build_model(spec, batch=batch, seq=seq, device="meta").model
+
+
+def _hidden_size(model: nn.Module) -> int:
+    cfg = getattr(model, "config", None)
+    for name in ("hidden_size", "n_embd", "d_model", "word_embed_proj_dim"):
+        v = getattr(cfg, name, None)
+        if isinstance(v, int):
+            return v
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if isinstance(emb, nn.Embedding):
+        return emb.embedding_dim
+    raise ConfigError(f"cannot tell the hidden size of {type(model).__name__} for the pipeline buffers")
+
+
+def check_rank(plan: Plan, rank: int, *, model_factory: Callable[[], nn.Module] | None = None,
+               microbatches: str | int = "auto") -> RankMemory:
+    """Measure ``rank`` of ``plan`` (the module docstring); the default process group must not be initialised."""
+    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from runtime.apply import apply_plan
+    from runtime.measure.validate import _optimizer, _vocab_of, lm_loss
+    from runtime.mesh import build_mesh
+
+    if dist.is_initialized():
+        raise ConfigError("check_rank needs a process without a default process group (it makes a fake one)")
+    t0 = time.perf_counter()
+    world = plan.degrees.world_size
+    factory = model_factory or functools.partial(build_model_for, plan.model.name, plan.global_batch,
+                                                 plan.model.seq_len)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        model = factory()
+        mesh = build_mesh(plan, device_type="cpu")
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        mt = LiveBytes()
+        with fake, mt, fsdp_comm_labels(mt), _fake_runtime(fake):
+            with unset_fake_temporarily(), mt.phase("other", "setup"):
+                pm = apply_plan(model, plan, mesh=mesh, loss_fn=lm_loss, seed=0)
+            params = list(pm.parameters())
+            mt.relabel(params, "parameters")
+            modules = pm.pipeline.modules if pm.pipeline is not None else [pm.module]
+            hooks = track_grads(mt, params)
+            opt = _optimizer(params)
+            with mt.phase("optimizer", "optimizer states"):
+                _init_optimizer_states(opt, params)
+            for o in opt.optimizers:
+                mt.relabel([v for st in o.state.values() for v in st.values() if isinstance(v, torch.Tensor)],
+                           "optimizer")
+            notes: list[str] = []
+            vocab = _vocab_of(model)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                if pm.pipeline is None:
+                    mt.reset_peak()
+                    ids = torch.randint(0, vocab, (plan.global_batch, max(plan.model.seq_len, 1) + 1))
+                    with mt.phase("activations", "forward / backward"):
+                        pm.step(ids[:, :-1], ids[:, 1:])
+                else:
+                    notes += _replay_pipeline(pm, plan, mt, vocab=vocab, hidden=_hidden_size(model),
+                                              modules=modules, microbatches=microbatches)
+            label_gradients(mt, params, modules)
+            with mt.phase("temporaries", "optimizer step"):
+                opt.step()
+            for h in hooks:
+                h.remove()
+            local = mt.bytes_of(params)
+            numel_bytes = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
+                              for p in params)
+            measured = dict(mt.peak_by_category)
+            peak, where = mt.peak, mt.peak_where
+            del opt, pm, params, modules
+    finally:
+        dist.destroy_process_group()
+    coords = rank_coords(plan, rank)
+    total, reserve, by_cat = predicted_for(plan, coords["pp"])
+    capacity, reserve_fn = _capacity_and_reserve(plan, coords["pp"])
+    return RankMemory(
+        rank=rank, coords=coords, measured_peak=peak, measured=measured, peak_where=where,
+        local_param_bytes=local, local_param_numel_bytes=numel_bytes, predicted_total=total,
+        predicted_reserve=reserve, predicted=by_cat, capacity=capacity,
+        reserve_for_measured=reserve_fn(float(peak)), seconds=time.perf_counter() - t0, notes=tuple(notes),
+    )
+
+
+def _init_optimizer_states(opt: Any, params: list[nn.Parameter]) -> None:
+    """One optimizer step on zero gradients: the states a step after the first holds, then no gradients."""
+    for p in params:
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def replayed_microbatches(plan: Plan, requested: str | int = "auto") -> int:
+    """How many of the plan's micro-batches a pipelined rank replays. ``all``: every one. ``auto``: all under
+    GPipe (every forward is in flight before the first backward) and without a pipeline; 1F1B ``2 pp`` and the
+    interleaved / zero-bubble schedules ``3 pp`` (at least the warm-up, whole rounds of steady 1F1B and the
+    cool-down: from the warm-up on, each steady round frees what it allocates, so more rounds repeat the same
+    bytes; ``tests/test_check.py`` compares the peaks of replaying some and all). A number: at most that many
+    (at least what the schedule needs)."""
+    n, pp, name = plan.schedule.num_microbatches, plan.degrees.pp, plan.schedule.name
+    if requested == "all" or pp == 1 or name == "gpipe":
+        return n
+    if requested == "auto":
+        want = 2 * pp if name == "1f1b" else 3 * pp
+    else:
+        try:
+            want = int(requested)
+        except ValueError:
+            raise ConfigError(f"--microbatches {requested!r}: give auto, all or a number") from None
+        want = max(want, pp)
+    if n % pp == 0:
+        want = -(-want // pp) * pp  # whole rounds of pp
+    return min(n, want)
+
+
+def _single_stage_actions(name: str, stage: Any, n_mb: int) -> list:
+    """The order ``ScheduleGPipe`` / ``Schedule1F1B._step_microbatches`` run one stage's micro-batches in (their
+    ``pipeline_order`` tables are for drawing and differ from the loop for the last stages)."""
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType as C
+
+    i = stage.stage_index
+    if name == "gpipe":
+        order = [(C.FORWARD, j) for j in range(n_mb)] + [(C.FULL_BACKWARD, j) for j in range(n_mb)]
+    else:
+        warmup = min(n_mb, stage.num_stages - i)
+        order = [(C.FORWARD, j) for j in range(warmup)]
+        f, b = warmup, 0
+        while True:
+            order.append((C.FULL_BACKWARD, b))
+            b += 1
+            if f == n_mb:
+                break
+            order.append((C.FORWARD, f))
+            f += 1
+        order += [(C.FULL_BACKWARD, j) for j in range(b, n_mb)]
+    return [_Action(i, k, j) for k, j in order] + [_Action(i, C.REDUCE_GRAD, None)]
+
+
+def _actions(runner: Any, plan: Plan, n_mb: int) -> list:
+    """This rank's actions of the runtime's torch schedule for ``n_mb`` micro-batches, in the order it runs them:
+    the lowered ``pipeline_order_with_comms`` of the multi-chunk runtime schedules (interleaved 1F1B,
+    zero-bubble: with their FSDP unshard / reshard and gradient reduction actions; for fewer micro-batches than
+    the plan's, the same schedule class made for ``n_mb``), the loop of GPipe / 1F1B otherwise."""
+    sch = runner.schedule
+    order = getattr(sch, "pipeline_order_with_comms", None)
+    if order:
+        if n_mb != plan.schedule.num_microbatches:
+            sch = type(sch)(runner.stages, n_microbatches=n_mb, loss_fn=sch._loss_fn, scale_grads=False)
+            order = sch.pipeline_order_with_comms
+        return list(order[runner.pp_rank])
+    if len(runner.stages) != 1:
+        raise ConfigError(f"schedule {plan.schedule.name!r} with {len(runner.stages)} chunks on a rank: "
+                          "the runtime would refuse it too")
+    return _single_stage_actions(plan.schedule.name, runner.stages[0], n_mb)
+
+
+def _replay_pipeline(pm: Any, plan: Plan, mt: LiveBytes, *, vocab: int, hidden: int, modules: list[nn.Module],
+                     microbatches: str | int = "auto") -> list[str]:
+    """This rank's pipeline actions for one step (the module docstring); notes on what was approximated."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.pipelining.schedules import _ComputationType as C
+
+    from runtime.data_parallel import average_gradients
+
+    runner = pm.pipeline
+    stages = {s.stage_index: s for s in runner.stages}
+    all_mb, mb = plan.schedule.num_microbatches, plan.schedule.microbatch_size
+    n_mb = replayed_microbatches(plan, microbatches)
+    seq = max(plan.model.seq_len, 1) // plan.degrees.cp
+    dtype = next(iter(pm.parameters())).dtype
+    notes: list[str] = []
+    if n_mb < all_mb:
+        notes.append(f"replayed {n_mb} of the plan's {all_mb} micro-batches (warm-up, steady 1F1B rounds, cool-down; "
+                     f"the rounds between repeat the same bytes), receive buffers allocated for all {all_mb}; "
+                     "--microbatches all replays every one")
+    with mt.phase("comm_buffers", "pipeline receive buffers"):
+        recv = {(i, j): torch.empty(mb, seq, hidden, dtype=dtype)
+                for i, s in stages.items() if not s.is_first for j in range(all_mb)}
+        grad_recv = {(i, j): torch.empty(mb, seq, hidden, dtype=dtype)
+                     for i, s in stages.items() if not s.is_last for j in range(all_mb)}
+    # this rank's batch (every micro-batch a view of it, as torch's split gives the schedule)
+    ids = list(torch.randint(0, vocab, (all_mb * mb, seq)).split(mb))
+    targets = list(torch.randint(0, vocab, (all_mb * mb, seq)).split(mb))
+    loss_of = runner.schedule._loss_fn
+    mt.reset_peak()
+    fwd: dict[tuple[int, int], tuple] = {}
+    losses: dict[tuple[int, int], torch.Tensor] = {}
+    bwd_state: dict[tuple[int, int], tuple] = {}
+    backwards: dict[int, int] = defaultdict(int)
+    for a in _actions(runner, plan, n_mb):
+        kind, i, j = a.computation_type, a.stage_index, a.microbatch_index
+        st = stages[i]
+        tag = f"{i}{kind.value if hasattr(kind, 'value') else kind}{'' if j is None else j}"
+        if kind == C.FORWARD:
+            with mt.phase("activations", f"forward {tag}"):
+                args = (ids[j],) if st.is_first else (recv[i, j].requires_grad_(True),)
+                out = st.forward_maybe_with_nosync(*args)
+                outs = out if isinstance(out, tuple) else (out,)
+                fwd[i, j] = (outs, list(args) if not st.is_first else [])
+                if st.is_last:
+                    losses[i, j] = loss_of(out, targets[j])
+            del out, outs, args
+        elif kind in (C.FULL_BACKWARD, C.BACKWARD_INPUT):
+            outs, inputs = fwd.pop((i, j))
+            if st.is_last:
+                kw = {"stage_output": losses[i, j], "output_grads": None, "input_values": inputs}
+            else:
+                kw = {"stage_output": outs, "output_grads": (grad_recv[i, j],), "input_values": inputs}
+            with mt.phase("temporaries", f"backward {tag}"):
+                if kind == C.FULL_BACKWARD:
+                    backwards[i] += 1
+                    st.backward_maybe_with_nosync("full", kw, last_backward=backwards[i] == n_mb)
+                elif st.is_first:
+                    bwd_state[i, j] = (inputs, None, kw["stage_output"], kw["output_grads"])
+                else:
+                    so = kw["stage_output"]
+                    kw["stage_output"] = (so,) if isinstance(so, torch.Tensor) else so
+                    _, groups = st.backward_maybe_with_nosync("input", kw, last_backward=False)
+                    bwd_state[i, j] = (inputs, groups, kw["stage_output"], kw["output_grads"])
+            if st.is_last and not st.is_first:
+                for t in outs:
+                    if isinstance(t, torch.Tensor) and not t._is_view():
+                        t.detach_()
+            for t in inputs:
+                if isinstance(t, torch.Tensor) and t.grad is not None:
+                    mt.relabel(t.grad, "comm_buffers")  # the gradient sent back, kept to the step's end
+            label_gradients(mt, (), [st.submod])
+            del outs, inputs, kw
+        elif kind == C.BACKWARD_WEIGHT:
+            inputs, groups, so, og = bwd_state.pop((i, j))
+            backwards[i] += 1
+            last = backwards[i] == n_mb
+            with mt.phase("temporaries", f"backward {tag}"):
+                if i != 0:
+                    st.backward_maybe_with_nosync("weight", {"stage_output": so, "param_groups": groups},
+                                                  last_backward=last)
+                else:
+                    st.backward_maybe_with_nosync("full", {"stage_output": so, "output_grads": og,
+                                                           "input_values": inputs}, last_backward=last)
+            label_gradients(mt, (), [st.submod])
+            del inputs, groups, so, og
+        elif kind == C.UNSHARD:
+            if isinstance(st.submod, FSDPModule):
+                with mt.phase("comm_buffers", f"unshard {tag}"):
+                    for m in st.submod.modules():
+                        if isinstance(m, FSDPModule):
+                            m.unshard()
+        elif kind == C.RESHARD:
+            if isinstance(st.submod, FSDPModule):
+                for m in st.submod.modules():
+                    if isinstance(m, FSDPModule):
+                        m.reshard()
+        elif kind == C.REDUCE_GRAD:
+            with mt.phase("temporaries", f"reduce gradients {tag}"):
+                st.perform_reduce_grad(1)
+            label_gradients(mt, (), [st.submod])
+        # SEND_F / RECV_F / SEND_B / RECV_B: no-ops (the receive buffers above are what they fill)
+    with mt.phase("temporaries", "gradient sync"):
+        runner._reduce_tied_grads()
+        if pm.average_grads:
+            average_gradients(pm.named_parameters(), mesh=pm.mesh, expert_params=pm.expert_params)
+    if fwd:
+        notes.append(f"{len(fwd)} forward(s) without a backward in the schedule")
+    del losses, recv, grad_recv
+    return notes
+
+
+def _check_in_child(plan: Plan, rank: int, microbatches: str | int) -> RankMemory:
+    torch.set_num_threads(1)
+    return check_rank(plan, rank, microbatches=microbatches)
+
+
+def check_plan(plan: Plan, *, ranks: str = "first,middle,last", workers: int | None = None,
+               microbatches: str | int = "auto",
+               progress: Callable[[RankMemory], None] | None = None) -> list[RankMemory]:
+    """``check_rank`` for each rank ``distinct_ranks(plan, ranks)`` names (``microbatches``:
+    ``replayed_microbatches``), each in a fresh process (a process
+    group, its meshes and the runtime's patches do not outlive a rank), ``workers`` at a time (default: the CPU
+    count, at most the ranks); results in rank order. A rank that fails raises ``runtime.measure.spawn.RankError``
+    with its traceback."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+    import os
+
+    from runtime.measure.spawn import RankError
+
+    chosen = distinct_ranks(plan, ranks)
+    replayed_microbatches(plan, microbatches)  # a bad value is an error before anything runs
+    for r in chosen:  # an unknown device is an error before anything is measured
+        _capacity_and_reserve(plan, rank_coords(plan, r)["pp"])
+    n = max(1, min(len(chosen), workers or os.cpu_count() or 1))
+    out: dict[int, RankMemory] = {}
+    with cf.ProcessPoolExecutor(max_workers=n, mp_context=mp.get_context("spawn"), max_tasks_per_child=1) as pool:
+        futures = {pool.submit(_check_in_child, plan, r, microbatches): r for r in chosen}
+        for fut in cf.as_completed(futures):
+            r = futures[fut]
+            try:
+                out[r] = fut.result()
+            except Exception as e:  # noqa: BLE001 - reported with the rank that failed
+                for f in futures:
+                    f.cancel()
+                raise RankError(f"check: rank {r} failed: {type(e).__name__}: {e}") from e
+            if progress is not None:
+                progress(out[r])
+    return [out[r] for r in chosen]
