@@ -157,7 +157,8 @@ def test_explain_json_and_gantt_share_one_bubble_figure(plans, tmp_path, capsys,
     events = simulate(s.name, pp=plan.degrees.pp, num_microbatches=s.num_microbatches,
                       virtual_stages=s.virtual_stages, t_fwd_s=tf, t_bwd_s=tb, t_wgrad_s=tw)
     drawn = simulated_bubble_s(events, plan.degrees.pp) / plan.prediction.step_time_s
-    assert drawn == pytest.approx(bubble_share(plan), rel=1e-9) and bubble_share(plan) == pytest.approx(bubble)
+    # the plan file keeps 9 significant digits of every figure (planner/plan.py): agreement to that precision
+    assert drawn == pytest.approx(bubble_share(plan), rel=1e-7) and bubble_share(plan) == pytest.approx(bubble)
 
 
 def test_whatif_on_the_planner(capsys):
