@@ -11,6 +11,7 @@ FSDP2 buffers together with what the counter calls activations and temporaries; 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 
@@ -18,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 from _live_bytes import LiveBytes
 from costmodel.profiles import make_cluster
@@ -194,6 +196,30 @@ def test_fsdp_mixed_precision_on_cuda_only(monkeypatch):
     got = counter.at_peak["parameters"]
     assert n * 4.0 / WORLD + (n - block) * 2.0 <= got <= n * cuda["weights"] * 1.001, (got, n)
     assert counter.at_peak["optimizer"] == pytest.approx(n * cuda["optimizer"], rel=0.01)
+
+
+@pytest.mark.filterwarnings("ignore:CUDA is not available")  # the autocast object is built, never entered, here
+def test_bf16_autocast_on_cuda_where_fsdp2_does_not_cast(monkeypatch):
+    """DDP / no wrapper on CUDA compute under bf16 autocast (the plan's bf16); FSDP2 with its mixed-precision
+    policy casts by itself (no autocast); CPU ranks get none."""
+    import runtime.data_parallel as rdp
+
+    plain = nn.Linear(4, 4)
+    assert isinstance(rdp.compute_autocast([plain], "cpu"), contextlib.nullcontext)
+    amp = rdp.compute_autocast([plain], "cuda")
+    assert isinstance(amp, torch.autocast) and amp.fast_dtype == torch.bfloat16
+    monkeypatch.setattr(rdp, "mixed_precision", lambda device_type: rdp.MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    from runtime.apply import apply_plan
+    from runtime.manual_plan import manual_plan
+
+    _fake_group(WORLD)
+    try:
+        model = _model()
+        pm = apply_plan(model, manual_plan(model, dp=WORLD, zero_stage=2, seq_len=SEQ), loss_fn=_loss)
+        assert isinstance(rdp.compute_autocast([pm.module], "cuda"), contextlib.nullcontext)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_eager_cross_entropy_holds_what_the_target_prices_per_logit():
