@@ -6,8 +6,11 @@ at once, nothing is sent), the model is built on the meta device (the caller's f
 ``cli.commands.validate.build_model_for``) and the plan applied by ``runtime.apply_plan`` as in a real run, with
 two changes: the parameters are materialised as fake tensors (``to_empty`` under a ``FakeTensorMode``: storages
 with sizes and no memory; the seeded init is skipped, values do not matter here) and DDP is built under the
-same mode. Then one training step runs on fake token batches (``plan.global_batch`` x ``plan.model.seq_len``,
-under ``torch.autocast`` bf16 with fp32 parameters, as ``autopar validate`` runs it) with the optimizer the
+same mode. Then one training step runs on fake token batches (``plan.global_batch`` x ``plan.model.seq_len``, in
+the precision the runtime trains the plan's devices with: on GPUs FSDP2 under ``MixedPrecisionPolicy(bf16, fp32)``
+and the other modes under bf16 autocast with fp32 parameters (``runtime.data_parallel.mixed_precision`` and
+``compute_autocast`` as on CUDA, applied to these CPU tensors); on CPUs bf16 autocast with fp32 parameters, as
+``autopar validate`` runs it) with the optimizer the
 measurement wing uses (fused AdamW, ``runtime.measure.validate``) whose states exist from a step before (the
 steady state of step two onwards):
 
@@ -20,7 +23,8 @@ steady state of step two onwards):
   torch's schedules run it), FSDP2 unshard / reshard, ``perform_reduce_grad``; sends and receives are no-ops
   whose buffers are allocated as ``PipelineStage`` allocates them (one activation and one gradient receive
   buffer per micro-batch and chunk, kept across steps; the input gradients kept to the step's end), of shape
-  (micro-batch, seq / cp, hidden) in the parameters' dtype; then the tied-embedding gradient all-reduce, the
+  (micro-batch, seq / cp, hidden) in the hidden states' dtype (bf16 under FSDP2's bf16 parameters, else the
+  parameters'); then the tied-embedding gradient all-reduce, the
   ZeRO-0 gradient averaging and ``optimizer.step()``.
 
 The count is ``runtime.measure.live_bytes.LiveBytes``: live storages by category at the peak. The prediction
@@ -180,16 +184,23 @@ def distinct_ranks(plan: Plan, spec: str = "first,middle,last") -> list[int]:
 # --- the prediction ------------------------------------------------------------------------------------------
 
 
-def _capacity_and_reserve(plan: Plan, pp_rank: int) -> tuple[float, Callable[[float], float]]:
-    from costmodel.memory import allocator_reserve_bytes
+def _accelerators(plan: Plan, pp_rank: int) -> list[Any]:
     from costmodel.profiles import get_accelerator
 
     stage = next(s for s in sorted(plan.stages, key=lambda s: s.index) if s.pp_rank == pp_rank)
-    names = (stage.gpu or plan.cluster.gpu).split("+")
-    accs = [get_accelerator(n) for n in names]
-    capacity = min(a.memory_bytes for a in accs)
-    gpu = any(a.kind == "gpu" for a in accs)
-    return capacity, functools.partial(allocator_reserve_bytes, gpu=gpu)
+    return [get_accelerator(n) for n in (stage.gpu or plan.cluster.gpu).split("+")]
+
+
+def _on_gpu(plan: Plan, pp_rank: int) -> bool:
+    """Whether the plan runs ``pp_rank`` on GPUs (the runtime's CUDA path: ``_cuda_runtime``)."""
+    return any(a.kind == "gpu" for a in _accelerators(plan, pp_rank))
+
+
+def _capacity_and_reserve(plan: Plan, pp_rank: int) -> tuple[float, Callable[[float], float]]:
+    from costmodel.memory import allocator_reserve_bytes
+
+    capacity = min(a.memory_bytes for a in _accelerators(plan, pp_rank))
+    return capacity, functools.partial(allocator_reserve_bytes, gpu=_on_gpu(plan, pp_rank))
 
 
 def predicted_for(plan: Plan, pp_rank: int) -> tuple[float, float, dict[str, float] | None]:
@@ -211,6 +222,34 @@ def predicted_for(plan: Plan, pp_rank: int) -> tuple[float, float, dict[str, flo
 
 
 # --- the runtime on fake tensors --------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _cuda_runtime(on_gpu: bool) -> Iterator[None]:
+    """On a GPU plan, the runtime's CUDA precision on these CPU fake tensors: FSDP2 shards under
+    ``runtime.data_parallel.mixed_precision("cuda")`` (bf16 gathered parameters and compute, fp32 reduction)."""
+    import runtime.data_parallel as rdp
+
+    if not on_gpu:
+        yield
+        return
+    saved = rdp.mixed_precision
+    rdp.mixed_precision = lambda device_type: saved("cuda")
+    try:
+        yield
+    finally:
+        rdp.mixed_precision = saved
+
+
+def _step_autocast(modules: list[nn.Module], on_gpu: bool) -> contextlib.AbstractContextManager:
+    """The autocast a step runs under: on a GPU plan ``runtime.data_parallel.compute_autocast`` decides (bf16
+    where FSDP2 does not cast), applied to these CPU tensors; on a CPU plan bf16 autocast with fp32 parameters,
+    as ``autopar validate`` runs it."""
+    from runtime.data_parallel import compute_autocast
+
+    if on_gpu and isinstance(compute_autocast(modules, "cuda"), contextlib.nullcontext):
+        return contextlib.nullcontext()
+    return torch.autocast("cpu", dtype=torch.bfloat16)
 
 
 @contextlib.contextmanager
@@ -318,7 +357,8 @@ def check_rank(plan: Plan, rank: int, *, model_factory: Callable[[], nn.Module],
         mesh = build_mesh(plan, device_type="cpu")
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         mt = LiveBytes()
-        with fake, mt, fsdp_comm_labels(mt), _fake_runtime(fake, mt):
+        on_gpu = _on_gpu(plan, rank_coords(plan, rank)["pp"])
+        with fake, mt, fsdp_comm_labels(mt), _fake_runtime(fake, mt), _cuda_runtime(on_gpu):
             with unset_fake_temporarily(), mt.phase("other", "setup"):
                 pm = apply_plan(model, plan, mesh=mesh, loss_fn=lm_loss, seed=0)
             params = list(pm.parameters())
@@ -336,7 +376,7 @@ def check_rank(plan: Plan, rank: int, *, model_factory: Callable[[], nn.Module],
                 notes.append(f"expert routing balanced (each of ep={plan.degrees.ep} ranks gets tokens x top-k / ep "
                              "rows, each local expert an equal share): fake tensors carry no router decisions")
             vocab = _vocab_of(model)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with _step_autocast(modules, on_gpu):
                 if pm.pipeline is None:
                     mt.reset_peak()
                     ids = torch.randint(0, vocab, (plan.global_batch, max(plan.model.seq_len, 1) + 1))
@@ -455,7 +495,11 @@ def _replay_pipeline(pm: Any, plan: Plan, mt: LiveBytes, *, vocab: int, hidden: 
     all_mb, mb = plan.schedule.num_microbatches, plan.schedule.microbatch_size
     n_mb = replayed_microbatches(plan, microbatches)
     seq = max(plan.model.seq_len, 1) // plan.degrees.cp
-    dtype = next(iter(pm.parameters())).dtype
+    # the dtype of the hidden states crossing a stage: bf16 where FSDP2 gathers bf16 parameters, else the
+    # parameters' (fp32 under autocast: the embedding's output and the residual stream stay fp32)
+    fsdp_bf16 = any(isinstance(m, FSDPModule) and m._get_fsdp_state()._mp_policy.param_dtype == torch.bfloat16
+                    for root in modules for m in root.modules())
+    dtype = torch.bfloat16 if fsdp_bf16 else next(iter(pm.parameters())).dtype
     notes: list[str] = []
     if n_mb < all_mb:
         notes.append(f"replayed {n_mb} of the plan's {all_mb} micro-batches (warm-up, steady 1F1B rounds, cool-down; "
