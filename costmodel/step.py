@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -357,8 +358,8 @@ def _dp_collective(op: str, nbytes: float, group: Group, cluster: Cluster, *, fl
 
 
 def dp_collectives(*, params: float, expert_params: float, bytes_per_param: float, m: int, k: StepConstants,
-                   zero_stage: int, recompute: str, layers: int, gather_bytes_per_param: float | None = None
-                   ) -> tuple[tuple[str, str, float, int], ...]:
+                   zero_stage: int, recompute: str, layers: int, gather_bytes_per_param: float | None = None,
+                   tensor_parallel: bool = False) -> tuple[tuple[str, str, float, int], ...]:
     """The data-parallel collectives one pipeline rank issues per step: ``(group, op, bytes each, count)``
     with ``group`` ``dense`` (over dp x cp) or ``expert`` (over dp / ep x cp). What ``_dp_comm`` times and
     ``priced_collectives`` lists. ``bytes_per_param``: of the gradient reductions; ``gather_bytes_per_param``:
@@ -368,23 +369,46 @@ def dp_collectives(*, params: float, expert_params: float, bytes_per_param: floa
     micro-batch, ``StepConstants.zero2_reduce_per_microbatch``).
     ZeRO-3 gathers and reduces parameters module by module: ``layers`` transformer layers on the rank times
     ``StepConstants.zero3_collectives_per_layer`` collectives per pass, plus one for the rank's other entries
-    (embedding, head), each on its share of the bytes."""
+    (embedding, head), each on its share of the bytes; ZeRO-1/2 too where the target shards in units
+    (``StepConstants.zero12_per_unit``: FSDP2). ZeRO-0 all-reduces once per step, in ``ddp_buckets``; with
+    ``tensor_parallel`` under that FSDP2 runtime, once per unit (DTensor parameters: FSDP2's ``replicate``
+    instead of DDP, which reduces on the step's last micro-batch as ZeRO-1 does)."""
     out = []
     for group, n in (("dense", params), ("expert", expert_params)):
         if n <= 0:
             continue
-        if zero_stage == 0:
-            parts = [("all_reduce", 1)]
+        per_unit = zero_stage == 3 or (zero_stage in (1, 2) and k.zero12_per_unit)
+        units = layers * k.zero3_collectives_per_layer + 1 if per_unit else 1
+        if zero_stage == 0 and tensor_parallel and k.zero12_per_unit:
+            units, parts = layers * k.zero3_collectives_per_layer + 1, [("all_reduce", 1)]
+        elif zero_stage == 0:
+            units, parts = ddp_buckets(n * bytes_per_param, k), [("all_reduce", 1)]
         elif zero_stage in (1, 2):
             reduces = m if zero_stage == 2 and k.zero2_reduce_per_microbatch else 1
             parts = [("reduce_scatter", reduces), ("all_gather", 1)]
         else:
             gathers = 2 + (1 if recompute == "full" and k.zero3_passes_recompute else 0)
             parts = [("all_gather", gathers * m), ("reduce_scatter", m)]
-        units = layers * k.zero3_collectives_per_layer + 1 if zero_stage == 3 else 1
         per = {"all_gather": bytes_per_param if gather_bytes_per_param is None else gather_bytes_per_param}
         out += [(group, op, n * per.get(op, bytes_per_param) / units, units * times) for op, times in parts]
     return tuple(out)
+
+
+def _tp_sharded(workload: Workload, cfg: ParallelConfig, dense_per_device: float) -> bool:
+    """Whether tensor parallelism splits any dense parameter (``dense_per_device``: the devices' dense parameters
+    summed over pipeline ranks, below the model's): the runtime's parameters are then DTensors."""
+    full = sum(layer.params - layer.expert_params for layer in workload.layers)
+    return cfg.tp > 1 and dense_per_device < full * (1.0 - 1e-9)
+
+
+def ddp_buckets(nbytes: float, k: StepConstants) -> int:
+    """All-reduces of ``nbytes`` of ZeRO-0 gradients: a first bucket of ``k.first_bucket_bytes`` and the rest in
+    buckets of ``k.last_bucket_bytes`` (torch DDP fills each until it reaches its cap: parameter boundaries make
+    real buckets a little larger, so this counts at most one too many); one without ``first_bucket_bytes``."""
+    rest = nbytes - k.first_bucket_bytes
+    if k.first_bucket_bytes <= 0 or rest <= 0 or k.last_bucket_bytes <= 0:
+        return 1
+    return 1 + math.ceil(rest / k.last_bucket_bytes)
 
 
 def dp_bytes(workload: Workload, cfg: ParallelConfig, k: StepConstants) -> tuple[float, float]:
@@ -397,14 +421,15 @@ def dp_bytes(workload: Workload, cfg: ParallelConfig, k: StepConstants) -> tuple
 
 @functools.lru_cache(maxsize=16384)
 def _dp_comm(wb: tuple[float, float], cluster: ByIdentity, dense: float, expert: float, m: int, k: StepConstants, *,
-             dp: int, cp: int, tp: int, ep: int, zero_stage: int, recompute: str, layers: int) -> tuple[str, float]:
+             dp: int, cp: int, tp: int, ep: int, zero_stage: int, recompute: str, layers: int,
+             tp_sharded: bool = False) -> tuple[str, float]:
     """Seconds of data-parallel traffic per step for one pipeline rank (``dp_collectives``), and its link kind
     (pure: memoized)."""
     groups = {"dense": Group(size=dp * cp, stride=tp), "expert": Group(size=max(1, dp // ep) * cp, stride=tp * ep)}
     total, kind, largest = 0.0, "", 0.0
     for group, op, nbytes, count in dp_collectives(params=dense, expert_params=expert, bytes_per_param=wb[0], m=m,
                                                     k=k, zero_stage=zero_stage, recompute=recompute, layers=layers,
-                                                    gather_bytes_per_param=wb[1]):
+                                                    gather_bytes_per_param=wb[1], tensor_parallel=tp_sharded):
         lk, t = _dp_collective(op, nbytes, groups[group], cluster.obj, flat=zero_stage == 3 and k.zero3_flat_nic)
         if t * count > largest:  # the link kind of the largest contribution names the traffic
             kind, largest = lk, t * count
@@ -523,7 +548,7 @@ def _can_overlap(cluster: Cluster) -> bool:
 
 def _data_parallel(workload: Workload, cfg: ParallelConfig, parts: tuple[Cluster, ...], classes: tuple[int, ...],
                    dense: np.ndarray, expert: np.ndarray, layers: np.ndarray, pipe: dict, m: int,
-                   k: StepConstants) -> dict:
+                   k: StepConstants, tp_sharded: bool = False) -> dict:
     """Exposed dp seconds and optimizer seconds: the slowest pipeline rank of each, each rank's dp groups on
     its own node groups (``parts[classes[r]]``) and its optimizer on its own device."""
     memo: dict[tuple[float, float, int, int], tuple[str, float]] = {}
@@ -538,7 +563,7 @@ def _data_parallel(workload: Workload, cfg: ParallelConfig, parts: tuple[Cluster
         if key not in memo:
             memo[key] = _dp_comm(wb, ByIdentity(parts[key[3]]), key[0], key[1], m, k, dp=cfg.dp,
                                  cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, zero_stage=cfg.zero_stage,
-                                 recompute=cfg.recompute, layers=key[2])
+                                 recompute=cfg.recompute, layers=key[2], tp_sharded=tp_sharded)
         lk, t = memo[key]
         if not cfg.overlap_grad_reduce or not _can_overlap(parts[key[3]]):
             window = 0.0
@@ -744,8 +769,9 @@ def priced_collectives(workload: Workload, config: ParallelConfig, cluster: Clus
                        target: Target | None = None) -> tuple[dict[tuple[str, str], list], ...]:
     """Per pipeline rank, the collectives one step issues as the step model prices them:
     ``{(axis, op): [count, total bytes]}`` with axis ``tp`` / ``cp`` / ``ep`` (the blocks' own, per micro-batch,
-    from their costers) or ``dp`` (gradient and parameter traffic, ``dp_collectives``). For checking against
-    what the runtime issues (``tests/test_priced_collectives.py``, CommDebugMode on the fake process group)."""
+    from their costers), ``pp`` (``send_recv``: each chunk's sends and receives to its neighbours, forward and
+    backward, per micro-batch) or ``dp`` (gradient and parameter traffic, ``dp_collectives``). For checking against
+    what the runtime issues (``tests/test_priced_collectives.py``, runtime.measure.comm_trace on gloo ranks)."""
     chunks = config.pp * config.virtual_stages
     stage_layers = even_stage_layers(workload, chunks) if stage_layers is None else tuple(stage_layers)
     target = target or default_target()
@@ -768,11 +794,18 @@ def priced_collectives(workload: Workload, config: ParallelConfig, cluster: Clus
         dense[r] += cost.params
         expert[r] += cost.expert_params
         blocks[r] += 1 if layer.recomputable else 0
+    if config.pp > 1:  # the pipeline's sends and receives (``_p2p_s``): one activation / gradient per hop
+        hop = p2p_boundary_bytes(workload, mb=config.microbatch, tp=config.tp, cp=config.cp,
+                                 sp=config.sequence_parallel and config.tp > 1, k=target.constants)
+        n = len(stage_layers)
+        for c in range(n):
+            sides = (1 if c < n - 1 else 0) + (1 if c > 0 else 0)  # next and previous neighbour
+            add(c % config.pp, "pp", "send_recv", 2 * sides * m, hop)  # forward and backward each way
     for r in range(config.pp):
         for group, op, nbytes, count in dp_collectives(
                 params=dense[r], expert_params=expert[r], bytes_per_param=wb[0], m=m, k=target.constants,
                 zero_stage=config.zero_stage, recompute=config.recompute, layers=blocks[r],
-                gather_bytes_per_param=wb[1]):
+                gather_bytes_per_param=wb[1], tensor_parallel=_tp_sharded(workload, config, sum(dense))):
             if (config.dp * config.cp if group == "dense" else max(1, config.dp // config.ep) * config.cp) > 1:
                 add(r, "dp", op, count, nbytes)
     return tuple(out)
@@ -798,7 +831,8 @@ def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_l
     dense = _per_rank(pipe["chunks"]["params"], cfg.virtual_stages, cfg.pp)
     expert = _per_rank(pipe["chunks"]["xparams"], cfg.virtual_stages, cfg.pp)
     tr_per_rank = _blocks_per_rank(ByIdentity(uniques), ByIdentity(counts), cfg.virtual_stages, cfg.pp)
-    dp = _data_parallel(workload, cfg, clusters, classes, dense, expert, tr_per_rank, pipe, m, k)
+    dp = _data_parallel(workload, cfg, clusters, classes, dense, expert, tr_per_rank, pipe, m, k,
+                        tp_sharded=_tp_sharded(workload, cfg, float(dense.sum())))
     breakdown = dict(pipe["parts"])
     if dp["exposed_s"] > 0:
         key = f"comm_{dp['kind']}"

@@ -84,6 +84,12 @@ class StepConstants:
     - ``zero3_passes_recompute``: a recomputed layer gathers its parameters again (four passes, not three).
     - ``zero3_collectives_per_layer``: parameter gathers / gradient reductions per layer and pass, each paying
       the ring latency.
+    - ``first_bucket_bytes``: ZeRO-0 gradients are all-reduced in buckets, the first (the last layers' gradients)
+      of this size, the others of ``last_bucket_bytes`` (torch DDP); 0: one all-reduce of the whole gradient.
+    - ``zero12_per_unit``: ZeRO-1/2 gather the parameters and reduce-scatter the gradients unit by unit as
+      ZeRO-3 does (``zero3_collectives_per_layer`` per layer plus one for the rest: FSDP2 units); False: the
+      whole state in one collective each (a distributed optimizer). True also prices ZeRO-0 with tensor parallel
+      as FSDP2's ``replicate`` on the same units (DTensor parameters, which DDP cannot bucket).
     - ``zero2_reduce_per_microbatch``: ZeRO-2 reduce-scatters every micro-batch's gradients (m reductions a
       step, overlapped with every backward) rather than accumulating them and reducing once.
 
@@ -121,6 +127,8 @@ class StepConstants:
     zero3_passes_recompute: bool
     zero3_collectives_per_layer: int
     zero2_reduce_per_microbatch: bool
+    zero12_per_unit: bool
+    first_bucket_bytes: float
     p2p_boundary: str
     recv_buffers_per_microbatch: bool
     grad_reduce_bytes: float | None

@@ -55,8 +55,8 @@ CONSTANT_TABLES: dict[str, dict[str, type]] = {
                 "optimizer_bytes_per_param": float, "loss_bytes_per_logit": float},
     "overlap": {"overlap_slowdown": float, "overlap_param_gather": bool, "tp_comm_exposed": float,
                 "last_bucket_bytes": float, "zero3_flat_nic": bool, "zero3_passes_recompute": bool,
-                "zero3_collectives_per_layer": int,
-                "zero2_reduce_per_microbatch": bool},
+                "zero3_collectives_per_layer": int, "zero2_reduce_per_microbatch": bool,
+                "zero12_per_unit": bool, "first_bucket_bytes": float},
     "pipeline": {"p2p_boundary": str, "recv_buffers_per_microbatch": bool},
     "comm": {"grad_reduce_bytes": float, "param_gather_bytes": float},
 }

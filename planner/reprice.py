@@ -11,10 +11,8 @@ from costmodel.hardware import Cluster
 from costmodel.step import ParallelConfig, estimate_step
 from planner.plan import Plan
 from planner.search.assemble import prediction
-from planner.workload import workload_from_model
+from planner.workload import DTYPE_BYTES, workload_for_dtype, workload_from_model
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2}
-"""Bytes per activation / gradient / message element of each compute dtype ``autopar validate`` runs."""
 
 
 def plan_config(plan: Plan) -> ParallelConfig:
@@ -37,7 +35,7 @@ def reprice(plan: Plan, cluster: Cluster, *, dtype: str) -> Plan:
     """``plan`` with the prediction of its configuration on ``cluster`` for ``dtype`` compute (even cuts): the
     planner traces bf16 (activation, gradient and tp / dp message bytes of 2 per element); fp32 runs move 4."""
     workload, _ = workload_from_model(plan.model.name, seq=plan.model.seq_len)
-    workload = dataclasses.replace(workload, dtype_bytes=DTYPE_BYTES[dtype])
+    workload = workload_for_dtype(workload, dtype)
     return dataclasses.replace(plan, prediction=prediction(estimate_step(workload, plan_config(plan), cluster)))
 
 

@@ -9,6 +9,7 @@ does not re-trace; ``clear_cache()`` empties it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
@@ -88,6 +89,35 @@ def workload_from_model(spec: str, *, batch: int = 1, seq: int | None = None) ->
     if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or seq < 1):
         raise ConfigError(f"seq={seq!r} must be a positive integer or None (the model's default)")
     return _traced(spec, seq)
+
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+"""Bytes per activation / gradient / message element of each compute dtype a plan may run in (``autopar
+validate`` runs fp32 on CPUs without native bf16)."""
+
+_FOR_DTYPE: dict[tuple[int, int], tuple[Workload, Workload]] = {}
+
+
+def workload_for_dtype(workload: Workload, dtype: str) -> Workload:
+    """``workload`` priced for ``dtype`` compute: its bytes per element and, for a traced model, its coster's
+    (``GraphCoster.with_dtype_bytes``: the tp / cp / ep messages, activations and memory-bound traffic of fp32
+    runs are twice the traced bf16 ones, and the block ILP chooses its shardings with those costs). The same
+    object for the same (workload, dtype), so the step model's memo (by identity) and the solved blocks are
+    shared."""
+    if dtype not in DTYPE_BYTES:
+        raise ConfigError(f"compute dtype {dtype!r}: choose one of {sorted(DTYPE_BYTES)}")
+    n = DTYPE_BYTES[dtype]
+    if workload.dtype_bytes == n:
+        return workload
+    hit = _FOR_DTYPE.get((id(workload), n))
+    if hit is not None and hit[0] is workload:
+        return hit[1]
+    coster = workload.coster
+    if hasattr(coster, "with_dtype_bytes"):
+        coster = coster.with_dtype_bytes(n)
+    out = dataclasses.replace(workload, dtype_bytes=n, coster=coster)
+    _FOR_DTYPE[(id(workload), n)] = (workload, out)
+    return out
 
 
 def clear_cache() -> None:

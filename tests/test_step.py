@@ -225,10 +225,15 @@ def test_fidelity_sc21_targets():
 
 
 def test_data_parallel_overlap(cluster64):
+    import dataclasses
+
+    # one gradient all-reduce (no DDP buckets, each paying the 512-rank ring latency: test_priced_collectives)
+    one = load_target("autopar")
+    one = dataclasses.replace(one, constants=dataclasses.replace(one.constants, first_bucket_bytes=0.0))
     w = gpt_workload(layers=24, hidden=2304, heads=24)
     base = dict(tp=1, pp=1, dp=512, microbatch=1, global_batch=512)
-    over = estimate_step(w, ParallelConfig(**base), cluster64)
-    after = estimate_step(w, ParallelConfig(**base, overlap_grad_reduce=False), cluster64)
+    over = estimate_step(w, ParallelConfig(**base), cluster64, target=one)
+    after = estimate_step(w, ParallelConfig(**base, overlap_grad_reduce=False), cluster64, target=one)
     exposed = lambda e: sum(v for k, v in e.breakdown_s.items() if k.startswith("comm_"))  # noqa: E731
     # the all-reduce (~0.04 s) hides inside the backward (~0.1 s): only the slowdown share stays exposed
     assert exposed(over) == pytest.approx(AUTOPAR.overlap_slowdown * exposed(after))

@@ -35,6 +35,28 @@ def test_measure_plan_two_ranks():
     assert got[0].losses == got[1].losses  # the global mean loss on every rank
 
 
+@pytest.mark.distributed
+@pytest.mark.slow  # spawns 2 ranks that import transformers
+def test_measure_plans_in_turns():
+    from costmodel.errors import ConfigError
+    from runtime.manual_plan import manual_plan
+    from runtime.measure.validate import measure_plans
+
+    plans = [manual_plan(_opt(), dp=2, zero_stage=z, microbatch_size=1, num_microbatches=1, seq_len=8)
+             for z in (0, 3)]
+    got = measure_plans(plans, model_factories=[functools.partial(_opt)] * 2, steps=3, warmup=1,
+                        compute_dtype="fp32")
+    assert len(got) == 2 and all([m.rank for m in per_plan] == [0, 1] for per_plan in got)
+    for per_plan in got:
+        for m in per_plan:
+            assert len(m.step_times_s) == 3 and all(t > 0 for t in m.step_times_s)
+            assert len(m.losses) == 3 and all(0 < x < 20 for x in m.losses)
+        assert per_plan[0].losses == per_plan[1].losses
+    assert got[0][0].model_rss_bytes > 0  # the first plan's model and optimizer
+    with pytest.raises(ConfigError, match="world sizes"):
+        measure_plans([plans[0], manual_plan(_opt(), dp=1, seq_len=8)], model_factories=[_opt, _opt])
+
+
 def _parse(*argv):
     p = argparse.ArgumentParser()
     cmd.add_arguments(p)
@@ -128,3 +150,24 @@ def test_cli_registered_and_error_exit(capsys):
 
     assert main(["validate"]) == 2
     assert "nothing to validate" in capsys.readouterr().err
+
+
+def test_pooled_compute_takes_the_median_run_of_each_slowest_rank():
+    """Three plans' sweeps (two ranks each): per point the slower rank, then the median over the plans."""
+    import dataclasses as dc
+
+    from runtime.measure.compute import pooled_compute
+
+    base = _cal()
+
+    def sweep(scale: float) -> tuple[list, list, list]:
+        return ([dc.replace(p, time_s=p.time_s * scale) for p in base.matmul],
+                [dc.replace(p, time_s=p.time_s * scale) for p in base.membound],
+                [dc.replace(p, fwd_s=p.fwd_s * scale, bwd_s=p.bwd_s * scale) for p in base.dispatch])
+
+    runs = [[sweep(1.0), sweep(3.0)], [sweep(1.5), sweep(1.0)], [sweep(9.0), sweep(0.5)]]  # slowest: 3, 1.5, 9
+    pooled = pooled_compute(base, runs)
+    assert [p.time_s for p in pooled.matmul] == pytest.approx([3.0 * p.time_s for p in base.matmul])
+    assert [p.time_s for p in pooled.membound] == pytest.approx([3.0 * p.time_s for p in base.membound])
+    assert pooled.dispatch_fit.layer_fwd_s == pytest.approx(3.0 * base.dispatch_fit.layer_fwd_s)
+    assert pooled.collectives == base.collectives

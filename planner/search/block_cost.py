@@ -41,6 +41,7 @@ class GraphCoster:
 
     def __init__(self, *, graph, blocks: Sequence, seq: int, dtype_bytes: int = 2) -> None:
         self._graph = graph
+        self._block_list = tuple(blocks)
         self._blocks = {b.signature: b for b in blocks}
         self._by_name = {b.name: b for b in blocks}
         self._seq = int(seq)
@@ -48,6 +49,26 @@ class GraphCoster:
         self._dtype_bytes = int(dtype_bytes)
         self.cache = StrategyCache()
         self._ops: dict[tuple[str, int], tuple] = {}
+        self._other_dtypes: dict[int, GraphCoster] = {}
+
+    @property
+    def dtype_bytes(self) -> int:
+        """Bytes per activation / gradient element the ops are priced with (the traced dtype's unless made by
+        ``with_dtype_bytes``)."""
+        return self._dtype_bytes
+
+    def with_dtype_bytes(self, dtype_bytes: int) -> "GraphCoster":
+        """The same graph priced for another compute dtype (4: fp32, as ``autopar validate`` runs on CPUs
+        without native bf16): activations, tp / cp / ep messages and memory-bound traffic at ``dtype_bytes`` per
+        element, matmuls at that dtype's rate. One coster per dtype (its solved blocks kept)."""
+        if int(dtype_bytes) == self._dtype_bytes:
+            return self
+        if int(dtype_bytes) not in _DTYPES:
+            raise ConfigError(f"dtype_bytes={dtype_bytes}: choose one of {sorted(_DTYPES)} (bf16, fp32)")
+        if dtype_bytes not in self._other_dtypes:
+            self._other_dtypes[dtype_bytes] = GraphCoster(graph=self._graph, blocks=self._block_list, seq=self._seq,
+                                                          dtype_bytes=dtype_bytes)
+        return self._other_dtypes[dtype_bytes]
 
     def block_of(self, layer: LayerWork):
         block = self._blocks.get(layer.signature) if layer.signature else None

@@ -441,7 +441,8 @@ def _to_layer_op(a: _Acc, sc: _Scale, *, heads: tuple[int, int, int] | None, exp
         bytes_fwd=(a.act_elems * sc.tokens + a.weight_elems) * db,
         out_bytes=out_bytes, dispatch_bytes=dispatch,
         saved_bytes=a.saved_elems * sc.tokens * 2.0,  # measured bytes (bf16-sized units), whatever the trace dtype
-        params=int(a.params), shard_dims=shard_dims, op_class=a.op_class if a.op_class != "other" else "elementwise",
+        params=int(a.params), param_bytes=float(a.params) * db, shard_dims=shard_dims,
+        op_class=a.op_class if a.op_class != "other" else "elementwise",
         mnk=(int(a.tokens * sc.tokens), sum(a.out_features), a.in_features)
         if a.kind in ("linear", "router", "head") else (),
     )

@@ -568,6 +568,7 @@ def plan_model(
     example_inputs: Any = None,
     target: str = "autopar",
     precision: str = "bf16",
+    compute_dtype: str | None = None,
 ):
     """Plan ``model`` (a spec string, an ``nn.Module`` with its ``example_inputs``, or a ``(Workload,
     ModelInfo)`` pair) on ``cluster``: a ``Plan``.
@@ -579,6 +580,9 @@ def plan_model(
     ``target``: the execution target (``costmodel.targets.load_target`` spec) whose constants price every
     candidate and whose refusals are never proposed. ``precision``: the GEMM precision, or ``"auto"``: each
     precision the target trains with on this cluster's accelerators is searched and the fastest plan kept.
+    ``compute_dtype`` (``bf16`` / ``fp32``; None: the traced dtype): the dtype the run computes and communicates
+    in (``planner.workload.workload_for_dtype``), so the block shardings are chosen, and the plan priced, for the
+    bytes that run moves.
     """
     from costmodel.step import estimate_step
     from costmodel.targets import load_target
@@ -588,7 +592,8 @@ def plan_model(
         spec.check_precision(precision, cluster)
     plans = [_plan_one(model, cluster, global_batch=global_batch, seq=seq, time_limit_s=time_limit_s, fix=fix,
                        options=options, progress=progress, record_timings=record_timings, target=spec, precision=p,
-                       estimate=functools.partial(estimate_step, target=spec), example_inputs=example_inputs)
+                       estimate=functools.partial(estimate_step, target=spec), example_inputs=example_inputs,
+                       compute_dtype=compute_dtype)
              for p in (spec.precisions_on(cluster) if precision == "auto" else (precision,))]
     return min(plans, key=lambda p: (not p.prediction.fits, p.prediction.step_time_s))
 
@@ -607,7 +612,7 @@ def _unpipelined(fix: Any, *, blocker: str, name: str) -> Any:
 
 def _plan_one(model: Any, cluster: Any, *, global_batch: int, seq: int | None, time_limit_s: float | None, fix: Any,
               options: sp.SearchOptions | None, progress: Progress | None, record_timings: bool, target: Any,
-              precision: str, estimate: Estimator, example_inputs: Any):
+              precision: str, estimate: Estimator, example_inputs: Any, compute_dtype: str | None = None):
     """``plan_model`` for one target and precision."""
     from planner.search import model_input
     from planner.search.assemble import build_plan
@@ -618,6 +623,10 @@ def _plan_one(model: Any, cluster: Any, *, global_batch: int, seq: int | None, t
         raise ConfigError(f"time_limit_s={time_limit_s!r} must be >= 0 seconds (or None for no limit)")
     t0 = time.perf_counter()
     loaded = model_input.load(model, seq=seq, global_batch=global_batch, example_inputs=example_inputs)
+    if compute_dtype is not None:
+        from planner.workload import workload_for_dtype
+
+        loaded = replace(loaded, workload=workload_for_dtype(loaded.workload, compute_dtype))
     t_trace = time.perf_counter() - t0
     sp_tps = model_input.sequence_parallel_tps(loaded, cluster=cluster, max_tp=int(cluster.gpus_per_node))
     if sp_tps is not None:

@@ -26,7 +26,7 @@ What is left out, and why (``tests/test_search.py`` compares the search with eve
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
 from costmodel.errors import ConfigError
@@ -261,7 +261,9 @@ def enumerate_structures(
         return [fix[key]] if key in fix and fix[key] in vals else ([] if key in fix else vals)
 
     for tp in pinned("tp", tp_choices(dims, gpus_per_node=gpus_per_node)):
-        for cp in pinned("cp", cp_choices(dims, options=options)):
+        # a pinned cp needs only to split the sequence (the tokens-per-rank floor is a search heuristic)
+        cps = cp_choices(dims, options=replace(options, min_tokens_per_cp_rank=1) if "cp" in fix else options)
+        for cp in pinned("cp", cps):
             rest = num_devices // (tp * cp) if num_devices % (tp * cp) == 0 else 0
             pps = [p for p in divisors(rest) if p <= dims.layers and all(b % (num_devices // p) == 0 for b in boundaries)]
             if cp > 1 and not _both_fixed(fix, "cp", "pp"):

@@ -100,6 +100,8 @@ class LayerOp:
     """Experts: bytes one all-to-all moves (tokens * topk * hidden * dtype bytes)."""
     mnk: tuple[int, ...] = ()
     """Matmul shape ``(m, n, k)`` (tokens, output features summed over the group, input features)."""
+    param_bytes: float = 0.0
+    """Bytes of the op's parameters (and of their gradients) in the priced dtype; 0: 2 per parameter."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -252,7 +254,8 @@ def _scale_comm(s: OpStrategy, frac: float) -> OpStrategy:
 def _norm(op: LayerOp, mesh: MeshShape) -> list[OpStrategy]:
     out = [_same("replicate", "replicate", "R", len(op.inputs), 1.0)]
     if mesh.tp > 1 and mesh.sequence_parallel:
-        wgrad = (Collective(kind="all_reduce", nbytes=2.0 * op.params),) if op.params else ()
+        # the Replicate weight's Partial gradient, all-reduced by DTensor (in the optimizer step)
+        wgrad = (Collective(kind="all_reduce", nbytes=op.param_bytes or 2.0 * op.params),) if op.params else ()
         out.append(_same("sequence_parallel", "sequence_parallel", "S_seq", len(op.inputs), 1 / mesh.tp,
                          comm_bwd=wgrad))
     return out

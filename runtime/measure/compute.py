@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from costmodel.calibration import Calibration, DispatchPoint, MatmulPoint, MemboundPoint, build_calibration
+from costmodel.errors import ConfigError
 from runtime.manual_plan import megatron_shardings
 from runtime.measure.spawn import run_ranks
 from runtime.measure.sweep import CalibrationPlan
@@ -156,6 +157,32 @@ def with_compute(cal: Calibration, sweeps: list[tuple[list, list, list]], *, not
         threads_per_rank=cal.threads_per_rank, torch_version=torch.__version__, cpu_cores=cal.cpu_cores,
         concurrent_ranks=len(sweeps), dispatch=tuple(dispatch),
         notes=f"compute re-measured in {len(sweeps)} processes at once{note}; collectives of {cal.date}",
+    )  # fmt: skip
+
+
+def pooled_compute(cal: Calibration, runs: list[list[tuple[list, list, list]]]) -> Calibration:
+    """``cal`` with the compute of several runs pooled: per run (one plan's ranks, ``with_compute``) each point's
+    slowest process, then per point the median over the runs. On a machine whose load swings within seconds a
+    15 s sweep after one plan can be 2x off the next one's; the median over every plan's sweep prices all of
+    them with the machine as it was during the whole measurement."""
+    per_run = [[_slowest([sw[i] for sw in sweeps]) for i in range(3)] for sweeps in runs if sweeps]
+    if not per_run:
+        raise ConfigError("no compute sweeps to pool: measure with calibrate_after=True")
+    pooled = []
+    for i in range(3):
+        points = []
+        for column in zip(*(run[i] for run in per_run)):
+            key = (lambda p: p.time_s) if hasattr(column[0], "time_s") else (lambda p: p.fwd_s + p.bwd_s)
+            points.append(sorted(column, key=key)[len(column) // 2])
+        pooled.append(points)
+    matmul, membound, dispatch = pooled
+    return build_calibration(
+        device_name=cal.device_name, accelerator=cal.accelerator,
+        date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), backend=cal.backend,
+        memory_gb=cal.memory_gb, matmul=tuple(matmul), membound=tuple(membound), collectives=cal.collectives,
+        threads_per_rank=cal.threads_per_rank, torch_version=torch.__version__, cpu_cores=cal.cpu_cores,
+        concurrent_ranks=len(runs[0]), dispatch=tuple(dispatch),
+        notes=f"compute: per point the median over {len(per_run)} runs' sweeps; collectives of {cal.date}",
     )  # fmt: skip
 
 

@@ -221,6 +221,94 @@ def _measure(rank: int, plan: Plan, model_factory: Callable[[], nn.Module], cfg:
     )
 
 
+def _rank_many(rank: int, world: int, plans: list[Plan], factories: list[Callable[[], nn.Module]],
+               cfg: dict[str, Any]) -> list[RankMeasurement]:
+    """One rank of ``measure_plans``: every plan applied, then their steps in turns, then one compute sweep."""
+    init_distributed(backend="gloo")
+    try:
+        return _measure_many(rank, plans, factories, cfg)
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure_many(rank: int, plans: list[Plan], factories: list[Callable[[], nn.Module]],
+                  cfg: dict[str, Any]) -> list[RankMeasurement]:
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg["compute_dtype"] == "bf16")
+    gen = torch.Generator().manual_seed(1234)
+    runs = []
+    for plan, factory in zip(plans, factories):
+        base = _rss_bytes()
+        model = factory()
+        pm = apply_plan(model, plan, loss_fn=lm_loss, seed=0)
+        opt = _optimizer(pm.parameters())
+        vocab, rows, seq = _vocab_of(model), plan.global_batch, max(plan.model.seq_len, 1)
+
+        def one_step(pm=pm, opt=opt, vocab=vocab, rows=rows, seq=seq) -> tuple[float, float]:
+            ids = torch.randint(0, vocab, (rows, seq + 1), generator=gen)
+            dist.barrier()
+            t0 = time.perf_counter()
+            with autocast:
+                loss = pm.step(ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return time.perf_counter() - t0, float(loss)
+
+        for _ in range(cfg["warmup"]):
+            one_step()
+        runs.append({"step": one_step, "rss": max(_rss_bytes() - base, 0), "times": [], "losses": []})
+    sweep: tuple = ()
+    for i in range(cfg["steps"]):  # in turns: a shared machine's load moves every plan alike
+        if cfg["calibrate_after"] and i == cfg["steps"] // 2:  # the sweep at the steps' midpoint: a load that
+            dist.barrier()  # rises or falls over the run prices the steps as they averaged
+            sweep = compute_sweep(quick_plan(ranks=dist.get_world_size(), cuda=False),
+                                  dispatch_model=cfg["dispatch_model"], barrier=DistBarrier())
+        for run in runs:
+            dt, loss = run["step"]()
+            run["times"].append(dt)
+            run["losses"].append(loss)
+    dist.barrier()
+    return [RankMeasurement(rank=rank, step_times_s=tuple(r["times"]), step_time_s=statistics.median(r["times"]),
+                            peak_rss_bytes=r["rss"], base_rss_bytes=0, losses=tuple(r["losses"]),
+                            compute_sweep=sweep) for r in runs]
+
+
+def measure_plans(
+    plans: list[Plan],
+    *,
+    model_factories: list[Callable[[], nn.Module]],
+    steps: int = 3,
+    warmup: int = 1,
+    threads_per_rank: int = 1,
+    compute_dtype: str = "bf16",
+    timeout_s: float = 1800.0,
+    calibrate_after: bool = False,
+    dispatch_model: Callable[[int], nn.Module] | None = None,
+) -> list[list[RankMeasurement]]:
+    """Several plans of one world size measured in the same ranks, their steps in turns (plan 1's step, plan 2's,
+    ..., ``steps`` rounds after ``warmup`` steps each): per plan, one measurement per rank.
+
+    On a machine shared with other jobs the load moves within seconds; measured in turns every plan sees it alike,
+    and ``calibrate_after`` takes one compute sweep for all of them halfway through the rounds (after
+    ``steps // 2``), so a load that drifts over the run prices the steps at their average (a sweep after the
+    steps, with the load falling from 7 to 1, priced every plan 10-33% under). Memory: ``model_rss_bytes`` is
+    the resident set the plan's model, optimizer and warm-up step added (``peak_rss_bytes``; ``base_rss_bytes``
+    is 0), not a process peak. Arguments as ``measure_plan``'s, one model factory per plan."""
+    if not plans or len(plans) != len(model_factories):
+        raise ConfigError(f"{len(plans)} plans and {len(model_factories)} model factories: give one factory per plan")
+    worlds = sorted({p.degrees.world_size for p in plans})
+    if len(worlds) != 1:
+        raise ConfigError(f"plans in turns share their ranks: world sizes {worlds} differ; measure them apart")
+    if steps < 1 or warmup < 0:
+        raise ConfigError(f"steps={steps} must be >= 1 and warmup={warmup} >= 0")
+    if compute_dtype not in ("bf16", "fp32"):
+        raise ConfigError(f"compute_dtype={compute_dtype!r}; choose bf16 (the planner's) or fp32")
+    cfg = {"steps": steps, "warmup": warmup, "compute_dtype": compute_dtype, "calibrate_after": calibrate_after,
+           "dispatch_model": dispatch_model}
+    per_rank = run_ranks(_rank_many, world_size=worlds[0], args=(list(plans), list(model_factories), cfg),
+                         timeout_s=timeout_s, threads=threads_per_rank, what="validate (plans in turns)")
+    return [[per_rank[r][i] for r in range(worlds[0])] for i in range(len(plans))]
+
+
 def measure_plan(
     plan: Plan,
     *,

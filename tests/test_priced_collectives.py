@@ -1,0 +1,190 @@
+"""The collectives the step model prices (``costmodel.step.priced_collectives``) against what the runtime issues.
+
+Each plan kind is planned on the fly for 2 local ranks (fp32, as ``autopar validate`` runs on this CPU:
+``plan_model(compute_dtype="fp32")``), run for one warm-up and one recorded step plus the optimizer step on gloo
+ranks under ``runtime.measure.comm_trace.CollectiveRecorder``, and every ``(axis, op)`` the step model prices is
+compared with the recorded count and bytes: equal, where they are deterministic. Beyond what is priced, a step
+may only issue the loss report (one 4-byte all-reduce per step over the batch ranks, ``ParallelModel.step``) and
+DDP's buffer broadcast (the rotary ``inv_freq`` buffer, bytes only: latency the calibration does not separate).
+
+Differences kept and asserted as they are (so a change on either side shows):
+
+- cp: the runtime keeps the gathered K / V for the backward (no second all-gather there) and, on gloo, which has
+  no reduce-scatter, all-reduces their gradient (``runtime/context_parallel.py``); the block ILP prices a
+  backward all-gather + reduce-scatter of the same bytes.
+- ep: besides the token all-to-alls (priced, equal), each MoE layer exchanges its per-rank row counts and expert
+  ids in two small all-to-alls; ZeRO-0 with ep averages gradients by hand, one all-reduce per parameter tensor
+  (``runtime.data_parallel.average_gradients``): the same bytes as the one priced all-reduce.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.distributed
+
+LLAMA = "llama:layers=2,hidden=64,ffn=128,heads=4,kv_heads=2,vocab=128,seq=16"
+MIXTRAL = "mixtral:layers=2,hidden=64,ffn=128,heads=4,kv_heads=2,vocab=128,seq=16,experts=4,topk=2"
+SEQ, BATCH = 16, 8
+
+PLANS = {  # kind -> (model spec, --fix)
+    "ddp": (LLAMA, "dp=2,zero=0,mb=2"),
+    "zero2": (LLAMA, "dp=2,zero=2,mb=2"),
+    "zero3": (LLAMA, "dp=2,zero=3,mb=2"),
+    "tp2": (LLAMA, "tp=2,zero=0"),
+    "tp2_sp": (LLAMA, "tp=2,sp=1,zero=0"),
+    "pp2_1f1b": (LLAMA, "pp=2,schedule=1f1b,mb=2,zero=0"),
+    "cp2": (LLAMA, "cp=2,zero=0"),
+    "ep2": (MIXTRAL, "dp=2,ep=2,zero=0,mb=2"),
+}
+GROUPS = {"dense": ("ddp", "zero2", "zero3", "tp2", "tp2_sp"), "other": ("pp2_1f1b", "cp2", "ep2")}
+
+
+def _record(rank: int, world: int, plans: list) -> list:
+    """Each plan: applied, one warm-up step, one recorded step (with the optimizer); this rank's summary."""
+    from planner.models import build_model
+    from runtime.apply import apply_plan
+    from runtime.measure.comm_trace import record_step
+    from runtime.measure.validate import _optimizer, lm_loss
+
+    out = []
+    for spec, plan in plans:
+        model = build_model(spec, batch=plan.global_batch, seq=SEQ, device="meta").model
+        pm = apply_plan(model, plan, loss_fn=lm_loss, seed=0)
+        opt = _optimizer(pm.parameters())
+        ids = torch.randint(0, 100, (plan.global_batch, SEQ + 1), generator=torch.Generator().manual_seed(0))
+        x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+        pm.step(x, y)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out.append(record_step(pm, x, y, opt))
+    return out
+
+
+def _plan(kind: str):
+    from costmodel.profiles import make_cluster
+    from planner.search.driver import plan_model
+
+    spec, fix = PLANS[kind]
+    return plan_model(spec, make_cluster("local", 1, gpus_per_node=2), global_batch=BATCH, seq=SEQ, fix=fix,
+                      compute_dtype="fp32")
+
+
+@functools.lru_cache(maxsize=None)
+def _issued(group: str) -> dict[str, list]:
+    from dist_utils import run_distributed
+
+    kinds = GROUPS[group]
+    plans = [(PLANS[k][0], _plan(k)) for k in kinds]
+    per_rank = run_distributed(_record, world_size=2, args=(plans,), timeout_s=240)
+    return {k: [per_rank[r][i] for r in range(2)] for i, k in enumerate(kinds)}
+
+
+def issued(kind: str) -> list[dict]:
+    """Per rank, ``{(axis, op): [count, bytes]}`` of one step of ``kind``'s plan."""
+    return _issued(next(g for g, kinds in GROUPS.items() if kind in kinds))[kind]
+
+
+def priced(kind: str) -> list[dict]:
+    """Per rank, what the step model prices for the same plan (the pipeline rank's entry)."""
+    from costmodel.profiles import make_cluster
+    from costmodel.step import priced_collectives
+    from planner.reprice import plan_config
+    from planner.workload import workload_for_dtype, workload_from_model
+
+    plan = _plan(kind)
+    cfg = plan_config(plan)
+    w = workload_for_dtype(workload_from_model(PLANS[kind][0], seq=SEQ)[0], "fp32")
+    per_pp = priced_collectives(w, cfg, make_cluster("local", 1, gpus_per_node=2))
+    per_stage = 2 // cfg.pp
+    return [{k: list(v) for k, v in per_pp[r // per_stage].items()} for r in range(2)]
+
+
+def _extras(got: dict, want: dict) -> dict:
+    return {k: v for k, v in got.items() if k not in want}
+
+
+def _assert_equal(got: dict, want: dict, keys=None) -> None:
+    for key in keys or want:
+        g, w = got.get(key, [0, 0]), want.get(key, [0, 0])
+        assert g[0] == round(w[0]) and g[1] == pytest.approx(w[1], rel=1e-9), \
+            f"{key}: issued {g[0]} x / {g[1]} B, priced {w[0]} x / {w[1]:.0f} B"
+
+
+def _assert_only_reporting(extras: dict) -> None:
+    """Unpriced traffic: the loss report, DDP's buffer broadcast; nothing else."""
+    assert extras.pop(("loss", "all_reduce"), [1, 4]) == [1, 4]
+    extras.pop(("other", "broadcast"), None)
+    assert not extras, f"issued but not priced: {extras}"
+
+
+@pytest.mark.parametrize("kind", ["ddp", "zero2", "zero3", "tp2", "tp2_sp", "pp2_1f1b"])
+def test_priced_equals_issued(kind):
+    for r, (got, want) in enumerate(zip(issued(kind), priced(kind))):
+        assert want, f"{kind}: nothing priced on rank {r}"
+        _assert_equal(got, want)
+        _assert_only_reporting(_extras(got, want))
+
+
+def test_zero_stages_issue_what_fsdp2_issues():
+    """FSDP2 units (2 blocks + root) x 2 micro-batches: ZeRO-3 gathers each unit in forward and again in
+    backward every micro-batch; ZeRO-2 once a step (it reshards after the step's last backward only); both
+    reduce-scatter each unit every micro-batch; DDP all-reduces once per step."""
+    assert issued("zero3")[0][("dp", "all_gather")][0] == 3 * 2 * 2
+    assert issued("zero2")[0][("dp", "all_gather")][0] == 3
+    assert issued("zero2")[0][("dp", "reduce_scatter")][0] == issued("zero3")[0][("dp", "reduce_scatter")][0] == 6
+    assert issued("ddp")[0][("dp", "all_reduce")][0] == 1
+
+
+def test_context_parallel_kv_traffic():
+    got, want = issued("cp2")[0], priced("cp2")[0]
+    _assert_equal(got, want, keys=[("dp", "all_reduce")])
+    layers = 2
+    kv = want[("cp", "reduce_scatter")][1] / layers
+    assert want[("cp", "all_gather")] == [2 * layers, pytest.approx(2 * layers * kv)]
+    assert got[("cp", "all_gather")] == [layers, pytest.approx(layers * kv)]  # forward only
+    assert got[("cp", "all_reduce")] == [layers, pytest.approx(layers * kv)]  # gloo: the reduce-scatter
+    _assert_only_reporting({k: v for k, v in _extras(got, want).items() if k != ("cp", "all_reduce")})
+
+
+def test_expert_parallel_token_traffic():
+    """Token all-to-alls: as priced, in number on each rank and in bytes over the ranks (a rank's combine and
+    backward send what it received: routing decides, the sum over ranks does not); plus, per MoE layer and
+    micro-batch, the row counts (ep int64) and the expert id of each row sent (int64)."""
+    got, want = issued("ep2"), priced("ep2")
+    layers, micro, ep, topk = 2, 2, 2, 2
+    rows = BATCH // 2 // micro * SEQ * topk  # rows one rank sends per layer and micro-batch
+    small = layers * micro * (ep * 8 + rows * 8)  # bytes of the two small all-to-alls, per rank
+    tokens = want[0][("ep", "all_to_all")]
+    for r in range(2):
+        assert got[r][("ep", "all_to_all")][0] == tokens[0] + 2 * layers * micro
+    assert sum(g[("ep", "all_to_all")][1] for g in got) == pytest.approx(2 * (tokens[1] + small))
+    for g, w in zip(got, want):  # ZeRO-0 with ep: one all-reduce per parameter tensor, the priced bytes
+        assert g[("dp", "all_reduce")][1] == pytest.approx(w[("dp", "all_reduce")][1])
+        assert g[("dp", "all_reduce")][0] > w[("dp", "all_reduce")][0] == 1
+        _assert_only_reporting({k: v for k, v in _extras(g, w).items()})
+
+
+def test_dp_collectives_follow_the_target():
+    """autopar (DDP, FSDP2): ZeRO-0 in DDP's buckets (1 MiB first, then 25 MB), ZeRO-2 per unit (reduced every
+    micro-batch, gathered once); Megatron's distributed optimizer: one all-reduce, one reduce-scatter + one
+    gather per step."""
+    from costmodel.step import dp_collectives
+    from costmodel.targets import load_target
+
+    ours, megatron = load_target("autopar").constants, load_target("megatron").constants
+    args = dict(params=1.8e6, expert_params=0.0, bytes_per_param=4.0, m=3, recompute="none", layers=2)
+    (z0,) = dp_collectives(k=ours, zero_stage=0, **args)
+    assert z0[1:] == ("all_reduce", pytest.approx(7.2e6 / 2), 2)  # 1 MiB + the rest under 25 MB
+    assert dp_collectives(k=ours, zero_stage=0, **{**args, "params": 2e5})[0][3] == 1
+    assert dp_collectives(k=megatron, zero_stage=0, **args)[0][3] == 1
+    (rep,) = dp_collectives(k=ours, zero_stage=0, tensor_parallel=True, **args)  # FSDP2 replicate: per unit
+    assert rep[1:] == ("all_reduce", pytest.approx(7.2e6 / 3), 3)
+    assert dp_collectives(k=megatron, zero_stage=0, tensor_parallel=True, **args)[0][3] == 1
+    z2 = {op: (nbytes, count) for _, op, nbytes, count in dp_collectives(k=ours, zero_stage=2, **args)}
+    assert z2 == {"reduce_scatter": (pytest.approx(7.2e6 / 3), 3 * 3), "all_gather": (pytest.approx(7.2e6 / 3), 3)}
+    z2m = {op: (nbytes, count) for _, op, nbytes, count in dp_collectives(k=megatron, zero_stage=2, **args)}
+    assert z2m == {"reduce_scatter": (pytest.approx(7.2e6), 1), "all_gather": (pytest.approx(7.2e6), 1)}
