@@ -31,7 +31,10 @@ ASSUMPTIONS = (
     "sequence parallelism whenever tp > 1 (Megatron-Bridge's recipes); fused (flash) attention; gradient "
     "reduction overlapped",
     "GPT-OSS: its attention with per-head sinks traced as one exact sdpa call per layer (planner.sink_attention; "
-    "sliding-window layers as blocks of the window against 2 windows of keys)",
+    "sliding-window layers as blocks of the window against 2 windows of keys), its values zero-padded to q / k's "
+    "head dim + 1 so it is one fused kernel",
+    "DeepSeek-V3: its multi-head latent attention (q / k head dim 192, v 128) traced as one fused sdpa call with v "
+    "zero-padded to 192 (planner.mla_attention: what transformers' flash path did), FLOPs of the unpadded v",
     "precision: BF16 -> bf16, FP8-CS -> fp8-cs, MXFP8 -> mxfp8, NVFP4 -> nvfp4; an unnamed FP8 recipe -> fp8-cs on "
     "Megatron-Bridge (its earlier releases name the same rows FP8-CS) and delayed-scaling fp8 on NeMo 24.07 "
     "(Transformer Engine's default then); 25.09 gives no precision: its plain figures are priced fp8-cs, its "

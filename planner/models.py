@@ -16,7 +16,8 @@ Spec forms (see ``list_presets()`` for the preset names):
   ``model_type``, random init, nothing downloaded; the sequence length is the config's
   ``max_position_embeddings`` (Qwen2: 131,072) unless ``seq`` says otherwise; attention through sdpa, GPT-OSS's
   attention with sinks (which transformers runs only eagerly or with flex / flash kernels) through
-  ``planner.sink_attention``;
+  ``planner.sink_attention``, attention with a v head dim narrower than q / k (DeepSeek's multi-head latent
+  attention, which the fused sdpa kernels refuse) with v zero-padded through ``planner.mla_attention``;
 - ``module.path:function[:key=value,...]``: user code returning ``(model, example_inputs)``, imported from the
   current directory and called with meta as the default device (``planner.user_code``); it may accept ``batch``,
   ``seq`` and the spec's keys as keyword arguments.
@@ -39,7 +40,7 @@ from types import MappingProxyType
 from typing import Any, Callable
 
 from costmodel.errors import ConfigError, UnsupportedModelError
-from planner import sink_attention
+from planner import mla_attention, sink_attention
 from planner.dims import Arch, ModelDims
 from planner.user_code import build_user_model, looks_like_user_spec
 
@@ -368,6 +369,8 @@ def _hf_config_dims(spec: str) -> tuple[ModelDims, Callable]:
         kwargs = {"attn_implementation": "sdpa"}
         if kind in sink_attention.MODEL_TYPES:  # softmax with per-head sinks: no sdpa in transformers
             kwargs["attn_implementation"] = sink_attention.register()
+        elif mla_attention.needs_padded_v(text):  # narrower v than q / k: one fused sdpa with v padded
+            kwargs["attn_implementation"] = mla_attention.register()
         if experts:
             kwargs["experts_implementation"] = "batched_mm"
         try:

@@ -2,7 +2,9 @@
 
 The exported program runs once under ``FakeTensorMode`` on the CPU device (no memory; CPU so that
 ``scaled_dot_product_attention`` takes the fused kernel, which saves q, k, v, the output and the log-sum-exp as
-the CUDA flash kernels do, where the meta device would take the math path and save the scores), with
+the CUDA flash kernels do, where the meta device would take the math path and save the scores; the fused kernel
+needs one head dim for q, k and v, so models with a narrower v are built with it zero-padded, see
+``planner.mla_attention``), with
 ``torch.autograd.graph.saved_tensors_hooks`` recording every tensor an op's derivative formula saves. A saved
 tensor is charged to the op whose output owns its storage (views share it), or, for a temporary the op made
 inside itself (a norm's fp32 statistics, attention's log-sum-exp), to the op that was running; parameters,

@@ -7,7 +7,8 @@ attention implementation ``SINK_SDPA`` to ``transformers.AttentionInterface``; i
 model's own ``eager_attention_forward`` computes, ``softmax([q k^T * scale + mask, sink])[:, :-1] v``, as one
 sdpa call with one more key whose logit is the head's sink and whose value is zero: the queries get one more
 feature (1), the keys a 0 there, the sink key ``sink / scale`` there and zeros elsewhere (one head_dim + 1
-column, no score-sized mask):
+column, no score-sized mask), the values a zero column too (one head dim for q, k and v: the fused kernel) that
+the output drops:
 
 - full-attention layers: ``is_causal`` sdpa over a leading dummy query row (dropped) and the sink key first;
 - sliding-window layers (``sliding_window=w``): the queries in blocks of ``w``, each block against the sink, its
@@ -43,7 +44,10 @@ def _augment(q: Any, k: Any, v: Any, sinks: Any, scale: float) -> tuple[Any, Any
     k = torch.cat([k, k.new_zeros(*k.shape[:3], 1)], dim=-1)
     sink_key = torch.cat([k.new_zeros(b, h, 1, k.shape[3] - 1),
                           (sinks.to(k.dtype) / scale).reshape(1, h, 1, 1).expand(b, h, 1, 1)], dim=-1)
-    return q, torch.cat([sink_key, k], dim=2), torch.cat([v.new_zeros(b, h, 1, v.shape[3]), v], dim=2)
+    v = torch.cat([v.new_zeros(b, h, 1, v.shape[3]), v], dim=2)
+    # v zero-padded to the head_dim + 1 of q / k: the fused sdpa kernels take one head dim (a narrower v takes
+    # the math path, which saves the scores); the tracer prices the FLOPs of the unpadded v (planner.mla_attention)
+    return q, torch.cat([sink_key, k], dim=2), torch.nn.functional.pad(v, (0, 1))
 
 
 def sink_sdpa_forward(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, scaling: float | None = None,

@@ -22,7 +22,9 @@ last to ``head``; ops the root module runs between two layers count to the layer
 contiguous and in execution order. ``cast_floating`` casts float example inputs to the model's dtype.
 
 Attention masks: HF causal LMs pass an explicit (Sq, Sk) boolean mask to sdpa; with ``causal_mask=True``
-(default) an attention with a mask is counted as causal in ``causal_fraction`` (dense counts stay).
+(default) an attention with a mask is counted as causal in ``causal_fraction`` (dense counts stay). An attention
+whose v is a zero padding of a narrower v (``planner.mla_attention``, ``planner.sink_attention``: one head dim for
+the fused kernel) has the FLOPs of the unpadded v; its bytes are the padded tensors'.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from dataclasses import replace
 from typing import Any, Iterator
 
 from costmodel.errors import UnsupportedModelError
-from planner.flops import op_cost, op_name
+from planner.flops import op_class_of, op_cost, op_name
 from planner.graph import Edge, OpGraph, OpNode, op_signature
 from planner.saved import saved_bytes_by_node
 
@@ -426,6 +428,23 @@ def _nbytes(t: Any) -> float:
     return float(t.numel() * t.element_size())
 
 
+def _unpadded_value_shape(v: Any) -> tuple[int, ...] | None:
+    """Shape of an attention's value before zero padding of its last dim (``planner.mla_attention`` pads a v
+    narrower than q / k to their head dim for the fused kernel): the padded columns are no work for a kernel
+    taking the narrower v (FlashAttention-3), so FLOPs use this shape. None when v is not such a padding."""
+    if not hasattr(v, "target") or op_name(v.target) not in ("pad", "constant_pad_nd") or len(v.args) < 2:
+        return None
+    src, pad = v.args[0], v.args[1]
+    mode = v.args[2] if len(v.args) > 2 and op_name(v.target) == "pad" else v.kwargs.get("mode", "constant")
+    value = v.args[-1] if len(v.args) > (3 if op_name(v.target) == "pad" else 2) else v.kwargs.get("value")
+    val = src.meta.get("val") if hasattr(src, "meta") else None
+    if (mode != "constant" or value not in (None, 0, 0.0) or not hasattr(val, "shape")
+            or not isinstance(pad, (list, tuple)) or len(pad) != 2 or pad[0] != 0 or not isinstance(pad[1], int)
+            or pad[1] <= 0):
+        return None
+    return tuple(val.shape)
+
+
 def _make_node(fx: Any, *, param_of: dict, grad: dict, eff_bytes: dict, causal_mask: bool, torch: Any) -> OpNode:
     name = op_name(fx.target)
     arg_list = list(fx.args)
@@ -442,7 +461,10 @@ def _make_node(fx: Any, *, param_of: dict, grad: dict, eff_bytes: dict, causal_m
     for arg, value in zip(schema.arguments if schema is not None else (), fx.args):
         if isinstance(value, (bool, int, float)):  # positional scalars (sdpa's is_causal) by their schema name
             kwargs.setdefault(arg.name, value)
-    cost = op_cost(name, in_shapes=in_shapes, out_shapes=[tuple(o.shape) for o in outs], grads=grads,
+    cost_shapes = list(in_shapes)
+    if op_class_of(name) == "attention" and len(arg_list) > 2:
+        cost_shapes[2] = _unpadded_value_shape(arg_list[2]) or cost_shapes[2]
+    cost = op_cost(name, in_shapes=cost_shapes, out_shapes=[tuple(o.shape) for o in outs], grads=grads,
                    kwargs=kwargs, causal_mask=causal_mask)
     inputs = _tensor_inputs(fx)
     params = []

@@ -173,6 +173,8 @@ def workload_from_module(model: Any, example_inputs: Any, *, name: str) -> tuple
                           "first (one batch, e.g. (input_ids,)); got "
                           f"{[type(t).__name__ + str(tuple(getattr(t, 'shape', ()))) for t in inputs]}")
     sample = tuple(t[:1] for t in inputs)
+    if any(p.is_meta for p in model.parameters()):  # only shapes matter: CPU inputs of a meta model go to meta too
+        sample = tuple(t.to("meta") for t in sample)
     named = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
     config = getattr(model, "config", None)
     cached = getattr(config, "use_cache", None)

@@ -13,7 +13,9 @@ context parallel, whose ranks hold parts of the same sequences: ``runtime.mesh.g
 - ZeRO 3 reduce-scatters every micro-batch and reshards after forward and after backward.
 - Mixed precision: on CUDA, FSDP2 ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` (as
   torchtitan trains): fp32 sharded parameters, gradients and optimizer states, bf16 gathered parameters and
-  compute, gradients reduced in fp32 (``mixed_precision``). On CPU (whose bf16 is emulated) none: parameters
+  compute, gradients reduced in fp32 (``mixed_precision``); the modes without that policy (DDP, replicate, no
+  wrapper) keep fp32 parameters and compute under bf16 autocast on CUDA (``compute_autocast``). On CPU (whose
+  bf16 is emulated) none: parameters
   are gathered and gradients reduced in the parameters' own dtype.
 - ZeRO 0: ``DistributedDataParallel`` when no parameter is a DTensor; with tensor parallel (DTensor parameters,
   which DDP cannot bucket) FSDP2's replicate (``torch.distributed._composable.replicate_with_fsdp.replicate``:
@@ -27,6 +29,7 @@ Gradients are averaged over the batch ranks in every case, so a per-rank mean lo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Iterable
 
@@ -65,6 +68,20 @@ def mixed_precision(device_type: str) -> MixedPrecisionPolicy | None:
     if device_type == "cuda":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return None
+
+
+def compute_autocast(modules: Iterable[nn.Module], device_type: str) -> contextlib.AbstractContextManager:
+    """The autocast a step runs under: on CUDA, bf16 for modules whose compute no FSDP2 ``MixedPrecisionPolicy``
+    casts (DDP, FSDP2's replicate, no data-parallel wrapper: fp32 parameters), as torchtitan's
+    ``maybe_enable_amp`` does, so they compute in the bf16 the plan priced; none on CPU (emulated bf16: the
+    measurement wing chooses the dtype there) or where FSDP2 casts the parameters itself."""
+    if device_type != "cuda":
+        return contextlib.nullcontext()
+    for root in modules:
+        for m in root.modules():
+            if isinstance(m, FSDPModule) and m._get_fsdp_state()._mp_policy.param_dtype is not None:
+                return contextlib.nullcontext()
+    return torch.autocast("cuda", dtype=torch.bfloat16)
 
 
 def gradient_sync(plan: Plan) -> tuple[bool, bool]:

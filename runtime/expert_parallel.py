@@ -107,7 +107,7 @@ def _ep_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch
     for j in range(local_e):
         idx = (recv_e == j).nonzero().squeeze(1)
         gate, up = nn.functional.linear(recv_x[idx], gate_up[j]).chunk(2, dim=-1)
-        out = out.index_add(0, idx, nn.functional.linear(self.act_fn(gate) * up, down[j]))
+        out = out.index_add(0, idx, nn.functional.linear(self.act_fn(gate) * up, down[j]).to(out.dtype))
     back = out.new_empty((sum(send),) + tuple(out.shape[1:]))
     back = a2a_autograd(back, out, output_split_sizes=send, input_split_sizes=recv, group=group)
     contrib = back * weight[:, None].to(back.dtype)

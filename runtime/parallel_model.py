@@ -55,7 +55,7 @@ from costmodel.errors import ConfigError
 from planner.plan import Plan
 from runtime.checkpoint import Checkpointer
 from runtime.context_parallel import ContextParallel
-from runtime.data_parallel import average_gradients, set_microbatch_sync, unwrap
+from runtime.data_parallel import average_gradients, compute_autocast, set_microbatch_sync, unwrap
 from runtime.failures import diagnose, is_comm_failure
 from runtime.mesh import batch_rank_and_size, grad_mesh
 from runtime.pipeline import PipelineRunner
@@ -224,7 +224,12 @@ class ParallelModel:
         if self.context is not None:
             inputs, targets = self.context.shard_batch(inputs, targets)  # (B, T / cp) each: this rank's tokens
         inputs, targets = _to(inputs, self._device), targets.to(self._device)
-        loss = self.pipeline.step(inputs, targets) if self.pipeline is not None else self._local_step(inputs, targets)
+        modules = self.pipeline.modules if self.pipeline is not None else [self.module]
+        with compute_autocast(modules, self._device.type):
+            if self.pipeline is not None:
+                loss = self.pipeline.step(inputs, targets)
+            else:
+                loss = self._local_step(inputs, targets)
         if self.average_grads:
             average_gradients(self.named_parameters(), mesh=self.mesh, expert_params=self.expert_params)
         return loss

@@ -53,7 +53,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._backward import stage_backward
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from costmodel.errors import ConfigError, PlanMismatchError
+from costmodel.errors import ConfigError, PlanMismatchError, UnsupportedModelError
 from planner.plan import Plan, StagePlan
 from runtime.data_parallel import gradient_sync, set_microbatch_sync
 from runtime.mesh import batch_mesh
@@ -223,7 +223,26 @@ def cut_model(model: nn.Module, *, plan: Plan) -> list[PipelineChunk]:
     adapter = adapter_for(model, traced=True)
     ranges = cut_units(adapter.layout, plan.stages, unit_of=getattr(adapter, "unit_of", None))
     stages = sorted(plan.stages, key=lambda s: s.index)
-    return [PipelineChunk(model, adapter=adapter, lo=lo, hi=hi, stage=st) for st, (lo, hi) in zip(stages, ranges)]
+    chunks = [PipelineChunk(model, adapter=adapter, lo=lo, hi=hi, stage=st) for st, (lo, hi) in zip(stages, ranges)]
+    _check_shared_params(chunks, pp=plan.degrees.pp, model_name=type(model).__name__)
+    return chunks
+
+
+def _check_shared_params(chunks: list[PipelineChunk], *, pp: int, model_name: str) -> None:
+    """Refuse a parameter that chunks on two pipeline ranks use, unless the first is the embedding's chunk (a tied
+    head: ``TiedParam`` keeps the two copies equal). Any other copy would train apart from its twin (a norm shared
+    by every layer, say)."""
+    first: dict[int, tuple[int, str]] = {}
+    for idx, chunk in enumerate(chunks):
+        for name, p in chunk.named_parameters():
+            owner = first.setdefault(id(p), (idx, name))
+            if owner[0] != 0 and owner[0] % pp != idx % pp:
+                raise UnsupportedModelError(
+                    f"pipeline parallelism cannot run {model_name}: parameter {owner[1]!r} is used by stage "
+                    f"{owner[0]} and by stage {idx} ({name!r}) on another pipeline rank, and only the embedding's "
+                    "weight may be shared across ranks (a tied head); plan with pp=1 (--fix pp=1) or give each "
+                    "layer its own module"
+                )
 
 
 # --- schedules --------------------------------------------------------------------------------------------
@@ -435,6 +454,10 @@ class PipelineRunner:
         for p in self._tied_local():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+            if isinstance(p.grad, DTensor) and tuple(p.grad.placements) != tuple(p.placements):
+                # a vocab-parallel embedding's weight gradient comes back Replicate / Partial, not Shard(0) like
+                # the weight (and the head's): both ranks must all-reduce same-sized local shards
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
             dist.all_reduce(self._local(p.grad), group=self._tied_group)
 
 

@@ -13,6 +13,9 @@ current sizes (``UntypedStorage.nbytes()``: FSDP2 frees and re-allocates its uns
 - optimizer: the tensors of ``optimizer.state``;
 - activations: what autograd saved for the backward (``saved_tensors_hooks``) that is none of the above;
 - temporaries: everything else (all-gather / reduce-scatter staging buffers, logits, the loss, scratch).
+
+``temporaries_at_peak`` lists those by size with the op that made each storage, ``peak_op`` the op at the peak.
+(``runtime/measure/live_bytes.py`` is ``autopar check``'s own counter, with its own labels; this one is the tests'.)
 """
 
 from __future__ import annotations

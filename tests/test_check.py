@@ -29,10 +29,16 @@ def _in_child(fn, *args):
         return pool.submit(fn, *args).result(timeout=300)
 
 
+def _factory(plan):
+    from cli.commands.validate import build_model_for
+
+    return functools.partial(build_model_for, plan.model.name, plan.global_batch, plan.model.seq_len)
+
+
 def _check_rank(plan, rank):
     from runtime.measure.memcheck import check_rank
 
-    return check_rank(plan, rank)
+    return check_rank(plan, rank, model_factory=_factory(plan))
 
 
 @functools.lru_cache(maxsize=None)
@@ -134,7 +140,12 @@ def test_cli_exits_1_when_a_rank_does_not_fit(monkeypatch, capsys, tmp_path):
     assert not m.exceeds and m.error == pytest.approx(-0.25)
     full = dataclasses.replace(m, capacity=m.measured_peak + m.reserve_for_measured - 1)
     assert full.exceeds
-    monkeypatch.setattr(mc, "check_plan", lambda plan, **kw: [full])
+    def fake_check_plan(plan, *, progress=None, **kw):
+        if progress is not None:
+            progress(full)
+        return [full]
+
+    monkeypatch.setattr(mc, "check_plan", fake_check_plan)
     p = argparse.ArgumentParser()
     cmd.add_arguments(p)
     assert cmd.run(p.parse_args([str(path), "--ranks", "0"])) == 1
@@ -218,8 +229,8 @@ def test_replaying_some_microbatches_gives_the_peak_of_all(schedule):
     extra = ",v=2" if schedule != "1f1b" else ""
     plan = _plan(f"pp=2,dp=1,tp=1,mb=1,schedule={schedule}{extra},zero=0", gpus=2, batch=16)
     assert plan.schedule.num_microbatches == 16 and replayed_microbatches(plan) < 16
-    some = check_plan(plan, ranks="0,1", microbatches="auto")
-    every = check_plan(plan, ranks="0,1", microbatches="all")
+    some = check_plan(plan, model_factory=_factory(plan), ranks="0,1", microbatches="auto")
+    every = check_plan(plan, model_factory=_factory(plan), ranks="0,1", microbatches="all")
     for a, b in zip(some, every):
         assert "replayed" in " ".join(a.notes) and not b.notes
         # the last stage keeps one 0-d loss per micro-batch replayed: a few bytes apart at most

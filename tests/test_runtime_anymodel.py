@@ -1,9 +1,10 @@
 """Any PyTorch model, not only transformers ones: ``auto_wrap(plan=None)`` on 4 gloo ranks plans the plain-torch GPT
 of tests/models/gpt.py for this world (the planner picks a pipeline with the tied head on the other stage) and
 trains it with the single-process losses and gradients; a planner plan pinned to tensor x data parallelism (tp2 x
-dp2) with the Megatron styles by FQN does too. Pipeline chunks of a user model come from a torch.fx trace of its
-forward (runtime/traced_units.py): chained, they compute what the model computes; a forward that is no chain of its
-layers is refused naming why and the fix; the MLP of tests/models/mlp.py pipelines on 2 ranks.
+dp2) with the Megatron styles by FQN does too, and so does the planner's tp2 x pp2 plan with sequence parallelism.
+Pipeline chunks of a user model come from a torch.fx trace of its forward (runtime/traced_units.py): chained, they
+compute what the model computes; a forward that is no chain of its layers is refused naming why and the fix; the
+MLP of tests/models/mlp.py pipelines on 2 ranks.
 """
 
 from __future__ import annotations
@@ -59,6 +60,14 @@ def _handwritten_body(rank: int, world_size: int, tmp: str) -> dict:
         pl = p.placements[names.index("tp")] if "tp" in names else None
         tp_placement[n] = f"shard {pl.dim}" if pl is not None and pl.is_shard() else "replicate"
     out["tp2"] = {"plan": pm2.plan.to_dict(), "run": rc.parallel_run(pm2, 4), "tp_placement": tp_placement}
+    # the planner's tp2 x pp2 plan with sequence parallel: vocab-parallel embedding and head, tied across the stages
+    plan3 = None
+    if rank == 0:
+        cluster = resolve_cluster("local", nodes=1, gpus_per_node=world_size)
+        plan3 = plan_model(rc.handwritten_gpt_model(), cluster, global_batch=4, example_inputs=example,
+                           fix="tp=2,pp=2,sp=true")
+    pm3 = auto_wrap(rc.handwritten_gpt_model(), example, loss_fn=rc.loss_fn, plan=plan3)
+    out["tp2_pp2_sp"] = {"plan": pm3.plan.to_dict(), "run": rc.parallel_run(pm3, 4)}
     return out
 
 
@@ -70,9 +79,14 @@ def test_auto_wrap_plans_and_trains_a_handwritten_gpt():
     assert all(p == plans[0] for p in plans)  # every rank applied rank 0's plan
     assert plans[0]["model"]["name"] == "GPT (module)"
     assert plans[0]["degrees"]["pp"] > 1  # what this test is about: the planner pipelines it, the runtime runs it
+    sp_plan = results[0]["tp2_pp2_sp"]["plan"]
+    assert sp_plan["sequence_parallel"] and sp_plan["degrees"]["pp"] == 2 and sp_plan["degrees"]["tp"] == 2
+    sp_styles = {s["fqn"]: s["style"] for s in sp_plan["shardings"]}
+    assert (sp_styles["wte"], sp_styles["head"]) == ("vocab_embedding", "vocab_head")
     for rank, res in enumerate(results):
         rc.compare(res["planned"]["run"], rc.restrict(ref, res["planned"]["run"]), what=f"planned rank {rank}")
         rc.compare(res["tp2"]["run"], ref, what=f"tp2 x dp2 rank {rank}")
+        rc.compare(res["tp2_pp2_sp"]["run"], rc.restrict(ref, res["tp2_pp2_sp"]["run"]), what=f"tp2 pp2 sp {rank}")
     # the tied head weight is named as the model names it (wte.weight) on both pipeline ranks
     held = [set(res["planned"]["run"]["params"]) for res in results]
     assert "head.weight" not in set().union(*held) and all("wte.weight" in h for h in held)
@@ -192,6 +206,21 @@ class _Shared(_Skip):
         return self.out(h)
 
 
+class _SharedNorm(_Skip):
+    """One norm after layers 1 and 2: with a stage per layer, stages 1 and 2 would each hold it and train their
+    copies apart (a weight shared with the embedding's stage is kept equal, as a tied head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for i, b in enumerate(self.blocks):
+            h = b(h) if i == 0 else self.norm(b(h))
+        return self.out(h)
+
+
 class _TwoInputs(_Skip):
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return super().forward(x * mask)
@@ -202,6 +231,7 @@ class _TwoInputs(_Skip):
     (_Branchy, "torch.fx could not trace its forward"),
     (_Shared, "calls layer 'blocks.0' more than once"),
     (_TwoInputs, "needs argument 'mask' besides the input"),
+    (_SharedNorm, "parameter 'norm.weight' is used by stage 1 and by stage 2"),
     (nn.Sequential, "no nn.ModuleList of repeated layers"),
 ])
 def test_non_chain_forward_is_refused_naming_why_and_the_fix(model_cls, match):
@@ -210,7 +240,7 @@ def test_non_chain_forward_is_refused_naming_why_and_the_fix(model_cls, match):
     from runtime.manual_plan import manual_plan
 
     model = model_cls() if model_cls is not nn.Sequential else nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-    plan = manual_plan(_Skip(), pp=2)  # cut_model reads only the stages: any two-stage plan
+    plan = manual_plan(_Skip(), pp=3)  # cut_model reads only the stages: one layer per stage
     with pytest.raises(UnsupportedModelError, match=match) as err:
         cut_model(model, plan=plan)
     assert "pp=1" in str(err.value)
@@ -278,7 +308,7 @@ def _mlp_pp2_body(rank: int, world_size: int, tmp: str) -> dict:
     plan = None
     if rank == 0:  # the planner's own stages for the MLP (embedding group `inp`, head `out`), pinned to pp=2
         plan = plan_model(_mlp(), cluster, global_batch=MLP_BATCH, fix="pp=2,schedule=1f1b,mb=2",
-                          example_inputs=(torch.zeros(MLP_BATCH, MLP_DIMS["in_features"], device="meta"),))
+                          example_inputs=(torch.zeros(MLP_BATCH, MLP_DIMS["in_features"]),))  # CPU, model on meta
     pm = auto_wrap(_mlp(), (torch.zeros(MLP_BATCH, MLP_DIMS["in_features"]),), loss_fn=_mlp_loss, plan=plan)
     return {"plan": pm.plan.to_dict(), "run": _mlp_run(pm.step, pm.named_parameters, pm.parameters())}
 

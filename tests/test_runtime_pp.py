@@ -247,7 +247,9 @@ CASES_2 = {
 }
 CASES_4 = {
     "llama-tp2xpp2-1f1b": ("llama", False, "1f1b", [(0, 3), (3, 7)], 2, 2, ("full", "none"), 2, 1, 2),
-    "opt-tp2xpp2-sp-gpipe": ("opt", False, "gpipe", [(0, 3), (3, 7)], 2, 2, ("selective", "full"), 2, 1, 2),
+    # tied: the vocab-parallel embedding's gradient (Replicate) is resharded like the head's (Shard(0)) before the
+    # tied all-reduce
+    "opt-tp2xpp2-sp-gpipe-tied": ("opt", True, "gpipe", [(0, 3), (3, 7)], 2, 2, ("selective", "full"), 2, 1, 2),
     "opt-pp2xdp2-1f1b-tied": ("opt", True, "1f1b", [(0, 3), (3, 7)], 2, 1, None, 2, 2, 1),
     "gpt2-pp4-1f1b-tied": ("gpt2", True, "1f1b", [(0, 2), (2, 3), (3, 4), (4, 7)], 4, 1, None, 4, 1, 1),
 }

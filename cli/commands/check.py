@@ -9,6 +9,7 @@ the bytes PyTorch can allocate), 1 when one does not, 2 on errors.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -51,8 +52,11 @@ def run(args: argparse.Namespace) -> int:
           f"{plan.schedule.num_microbatches}; measuring ranks {', '.join(map(str, chosen))} on fake tensors",
           file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    results = check_plan(plan, ranks=args.ranks, workers=args.workers, microbatches=args.microbatches,
-                         progress=lambda m: print(format_rank(m), file=out, flush=True))
+    from cli.commands.validate import build_model_for
+
+    factory = functools.partial(build_model_for, plan.model.name, plan.global_batch, plan.model.seq_len)
+    results = check_plan(plan, model_factory=factory, ranks=args.ranks, workers=args.workers,
+                         microbatches=args.microbatches, progress=lambda m: print(format_rank(m), file=out, flush=True))
     wall = time.perf_counter() - t0
     over = [m.rank for m in results if m.exceeds]
     print(f"{len(results)} rank(s) in {wall:.1f} s; " + (f"ranks {over} exceed their device" if over else
@@ -78,8 +82,9 @@ def format_rank(m) -> str:
     lines.append(f"  {'tensors':<14} {m.predicted_tensors / 1e9:>12.3f} {m.measured_peak / 1e9:>12.3f}   "
                  f"error {100 * m.error:+.1f}% (predicted - measured) / measured")
     verdict = "EXCEEDS its device" if m.exceeds else "fits"
+    need = (m.measured_peak + m.reserve_for_measured) / 1e9
     lines.append(f"  allocator reserve {m.predicted_reserve / 1e9:.3f} GB predicted; measured + reserve "
-                 f"{(m.measured_peak + m.reserve_for_measured) / 1e9:.3f} GB of {m.capacity / 1e9:.3f} GB: {verdict}")
+                 f"{need:.3f} GB of {m.capacity / 1e9:.3f} GB: {verdict}")
     if m.predicted is None:
         lines.append("  (the plan stores the predicted terms of its fullest pipeline rank only: totals here)")
     for n in m.notes:

@@ -1,14 +1,18 @@
 """Peak memory of a plan's ranks as the runtime would allocate it, measured on fake tensors in this process.
 
-``check_plan(plan, ranks="first,middle,last")`` measures each chosen rank in turn: the default process group is
-torch's ``"fake"`` backend at the plan's world size with this rank's number (collectives return at once,
-nothing is sent), the model is built on the meta device (``planner.models.build_model``) and the plan applied by
-``runtime.apply_plan`` as in a real run, with two changes: the parameters are materialised as fake tensors
-(``to_empty`` under a ``FakeTensorMode``: storages with sizes and no memory; the seeded init is skipped, values
-do not matter here) and the data-parallel wrappers are built under the same mode. Then one training step runs
-on fake token batches (``plan.global_batch`` x ``plan.model.seq_len``, under ``torch.autocast`` bf16 with fp32
-parameters, as ``autopar validate`` runs it) with the optimizer the measurement wing uses (fused AdamW,
-``runtime.measure.validate``) whose states exist from a step before (the steady state of step two onwards):
+``check_plan(plan, model_factory=..., ranks="first,middle,last")`` measures each chosen rank: the default
+process group is torch's ``"fake"`` backend at the plan's world size with this rank's number (collectives return
+at once, nothing is sent), the model is built on the meta device (the caller's factory,
+``cli.commands.validate.build_model_for``) and the plan applied by ``runtime.apply_plan`` as in a real run, with
+two changes: the parameters are materialised as fake tensors (``to_empty`` under a ``FakeTensorMode``: storages
+with sizes and no memory; the seeded init is skipped, values do not matter here) and DDP is built under the
+same mode. Then one training step runs on fake token batches (``plan.global_batch`` x ``plan.model.seq_len``, in
+the precision the runtime trains the plan's devices with: on GPUs FSDP2 under ``MixedPrecisionPolicy(bf16, fp32)``
+and the other modes under bf16 autocast with fp32 parameters (``runtime.data_parallel.mixed_precision`` and
+``compute_autocast`` as on CUDA, applied to these CPU tensors); on CPUs bf16 autocast with fp32 parameters, as
+``autopar validate`` runs it) with the optimizer the
+measurement wing uses (fused AdamW, ``runtime.measure.validate``) whose states exist from a step before (the
+steady state of step two onwards):
 
 - pp = 1: ``ParallelModel.step`` itself (micro-batches in turn, DDP's ``no_sync`` but on the last, the loss
   all-reduce), then ``optimizer.step()``;
@@ -19,7 +23,8 @@ parameters, as ``autopar validate`` runs it) with the optimizer the measurement 
   torch's schedules run it), FSDP2 unshard / reshard, ``perform_reduce_grad``; sends and receives are no-ops
   whose buffers are allocated as ``PipelineStage`` allocates them (one activation and one gradient receive
   buffer per micro-batch and chunk, kept across steps; the input gradients kept to the step's end), of shape
-  (micro-batch, seq / cp, hidden) in the parameters' dtype; then the tied-embedding gradient all-reduce, the
+  (micro-batch, seq / cp, hidden) in the hidden states' dtype (bf16 under FSDP2's bf16 parameters, else the
+  parameters'); then the tied-embedding gradient all-reduce, the
   ZeRO-0 gradient averaging and ``optimizer.step()``.
 
 The count is ``runtime.measure.live_bytes.LiveBytes``: live storages by category at the peak. The prediction
@@ -179,16 +184,23 @@ def distinct_ranks(plan: Plan, spec: str = "first,middle,last") -> list[int]:
 # --- the prediction ------------------------------------------------------------------------------------------
 
 
-def _capacity_and_reserve(plan: Plan, pp_rank: int) -> tuple[float, Callable[[float], float]]:
-    from costmodel.memory import allocator_reserve_bytes
+def _accelerators(plan: Plan, pp_rank: int) -> list[Any]:
     from costmodel.profiles import get_accelerator
 
     stage = next(s for s in sorted(plan.stages, key=lambda s: s.index) if s.pp_rank == pp_rank)
-    names = (stage.gpu or plan.cluster.gpu).split("+")
-    accs = [get_accelerator(n) for n in names]
-    capacity = min(a.memory_bytes for a in accs)
-    gpu = any(a.kind == "gpu" for a in accs)
-    return capacity, functools.partial(allocator_reserve_bytes, gpu=gpu)
+    return [get_accelerator(n) for n in (stage.gpu or plan.cluster.gpu).split("+")]
+
+
+def _on_gpu(plan: Plan, pp_rank: int) -> bool:
+    """Whether the plan runs ``pp_rank`` on GPUs (the runtime's CUDA path: ``_cuda_runtime``)."""
+    return any(a.kind == "gpu" for a in _accelerators(plan, pp_rank))
+
+
+def _capacity_and_reserve(plan: Plan, pp_rank: int) -> tuple[float, Callable[[float], float]]:
+    from costmodel.memory import allocator_reserve_bytes
+
+    capacity = min(a.memory_bytes for a in _accelerators(plan, pp_rank))
+    return capacity, functools.partial(allocator_reserve_bytes, gpu=_on_gpu(plan, pp_rank))
 
 
 def predicted_for(plan: Plan, pp_rank: int) -> tuple[float, float, dict[str, float] | None]:
@@ -213,7 +225,35 @@ def predicted_for(plan: Plan, pp_rank: int) -> tuple[float, float, dict[str, flo
 
 
 @contextlib.contextmanager
-def _fake_runtime(fake: Any) -> Iterator[None]:
+def _cuda_runtime(on_gpu: bool) -> Iterator[None]:
+    """On a GPU plan, the runtime's CUDA precision on these CPU fake tensors: FSDP2 shards under
+    ``runtime.data_parallel.mixed_precision("cuda")`` (bf16 gathered parameters and compute, fp32 reduction)."""
+    import runtime.data_parallel as rdp
+
+    if not on_gpu:
+        yield
+        return
+    saved = rdp.mixed_precision
+    rdp.mixed_precision = lambda device_type: saved("cuda")
+    try:
+        yield
+    finally:
+        rdp.mixed_precision = saved
+
+
+def _step_autocast(modules: list[nn.Module], on_gpu: bool) -> contextlib.AbstractContextManager:
+    """The autocast a step runs under: on a GPU plan ``runtime.data_parallel.compute_autocast`` decides (bf16
+    where FSDP2 does not cast), applied to these CPU tensors; on a CPU plan bf16 autocast with fp32 parameters,
+    as ``autopar validate`` runs it."""
+    from runtime.data_parallel import compute_autocast
+
+    if on_gpu and isinstance(compute_autocast(modules, "cuda"), contextlib.nullcontext):
+        return contextlib.nullcontext()
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+@contextlib.contextmanager
+def _fake_runtime(fake: Any, mt: LiveBytes) -> Iterator[None]:
     """``runtime.parallelize`` materialises as fake tensors (``to_empty`` under ``fake``) and DDP is built under
     ``fake`` (its buckets fake too); the rest of ``apply_plan`` runs as it is (mesh coordinates are real)."""
     import runtime.data_parallel as rdp
@@ -232,21 +272,56 @@ def _fake_runtime(fake: Any) -> Iterator[None]:
 
     class FakeDDP(saved[1]):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
-            with fake:
+            with fake, mt.phase("comm_buffers", mt.where):  # its gradient buckets
                 super().__init__(*args, **kwargs)
 
-    rp.materialize, rdp.DistributedDataParallel = materialize, FakeDDP
+    import runtime.expert_parallel as rep
+
+    saved_ep = rep._ep_forward
+    rp.materialize, rdp.DistributedDataParallel, rep._ep_forward = materialize, FakeDDP, _ep_forward_balanced
     try:
         yield
     finally:
         rp.materialize, rdp.DistributedDataParallel = saved
+        rep._ep_forward = saved_ep
 
 
-def build_model_for(spec: str, batch: int, seq: int) -> nn.Module:
-    """The meta-device model of ``spec`` (what ``autopar validate`` builds in each rank)."""
-    from planner.models import build_model
+def _ep_forward_balanced(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                         top_k_weights: torch.Tensor) -> torch.Tensor:
+    """``runtime.expert_parallel._ep_forward`` with the routing counts fake tensors cannot give (they are data):
+    every ep rank sends and receives ``tokens x top-k / ep`` rows and each local expert takes an equal share
+    (balanced routing, the load the router's auxiliary loss aims at); the same ops on the same shapes otherwise."""
+    from runtime.expert_parallel import _ScaleGrad, a2a_autograd
 
-    return build_model(spec, batch=batch, seq=seq, device="meta").model
+    group, ep, local_e = self._autopar_ep_group, self._autopar_ep, self._autopar_local_experts
+    n, k = top_k_index.shape
+    rows = n * k
+    split = [rows // ep + (1 if r < rows % ep else 0) for r in range(ep)]
+    send, recv = split, [split[dist.get_rank(group) if group is not None else 0]] * ep
+    token = torch.arange(n, device=hidden_states.device).repeat_interleave(k)
+    expert = top_k_index.reshape(-1)
+    order = torch.argsort(expert, stable=True)
+    token, expert = token[order], expert[order]
+    weight = top_k_weights.reshape(-1)[order]
+    x = hidden_states[token]
+    recv_x = a2a_autograd(x.new_empty((sum(recv),) + tuple(x.shape[1:])), x, output_split_sizes=recv,
+                          input_split_sizes=send, group=group)
+    recv_e = torch.empty(sum(recv), dtype=expert.dtype, device=expert.device)
+    dist.all_to_all_single(recv_e, (expert % local_e).contiguous(), output_split_sizes=recv,
+                           input_split_sizes=send, group=group)
+    gate_up = self.gate_up_proj.to_local() if hasattr(self.gate_up_proj, "to_local") else self.gate_up_proj
+    down = self.down_proj.to_local() if hasattr(self.down_proj, "to_local") else self.down_proj
+    gate_up, down = _ScaleGrad.apply(gate_up, 1.0 / ep), _ScaleGrad.apply(down, 1.0 / ep)
+    out = torch.zeros_like(recv_x)
+    per = sum(recv) // local_e
+    for j in range(local_e):
+        idx = torch.arange(j * per, (j + 1) * per, device=recv_x.device)
+        gate, up = nn.functional.linear(recv_x[idx], gate_up[j]).chunk(2, dim=-1)
+        out = out.index_add(0, idx, nn.functional.linear(self.act_fn(gate) * up, down[j]).to(out.dtype))
+    back = out.new_empty((sum(send),) + tuple(out.shape[1:]))
+    back = a2a_autograd(back, out, output_split_sizes=send, input_split_sizes=recv, group=group)
+    contrib = back * weight[:, None].to(back.dtype)
+    return torch.zeros_like(hidden_states).index_add(0, token, contrib.to(hidden_states.dtype))
 
 
 def _hidden_size(model: nn.Module) -> int:
@@ -261,9 +336,10 @@ def _hidden_size(model: nn.Module) -> int:
     raise ConfigError(f"cannot tell the hidden size of {type(model).__name__} for the pipeline buffers")
 
 
-def check_rank(plan: Plan, rank: int, *, model_factory: Callable[[], nn.Module] | None = None,
+def check_rank(plan: Plan, rank: int, *, model_factory: Callable[[], nn.Module],
                microbatches: str | int = "auto") -> RankMemory:
-    """Measure ``rank`` of ``plan`` (the module docstring); the default process group must not be initialised."""
+    """Measure ``rank`` of ``plan`` (the module docstring); the default process group must not be initialised.
+    ``model_factory()`` builds the plan's model on the meta device (``cli.commands.validate.build_model_for``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -275,15 +351,14 @@ def check_rank(plan: Plan, rank: int, *, model_factory: Callable[[], nn.Module] 
         raise ConfigError("check_rank needs a process without a default process group (it makes a fake one)")
     t0 = time.perf_counter()
     world = plan.degrees.world_size
-    factory = model_factory or functools.partial(build_model_for, plan.model.name, plan.global_batch,
-                                                 plan.model.seq_len)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        model = factory()
+        model = model_factory()
         mesh = build_mesh(plan, device_type="cpu")
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         mt = LiveBytes()
-        with fake, mt, fsdp_comm_labels(mt), _fake_runtime(fake):
+        on_gpu = _on_gpu(plan, rank_coords(plan, rank)["pp"])
+        with fake, mt, fsdp_comm_labels(mt), _fake_runtime(fake, mt), _cuda_runtime(on_gpu):
             with unset_fake_temporarily(), mt.phase("other", "setup"):
                 pm = apply_plan(model, plan, mesh=mesh, loss_fn=lm_loss, seed=0)
             params = list(pm.parameters())
@@ -297,8 +372,11 @@ def check_rank(plan: Plan, rank: int, *, model_factory: Callable[[], nn.Module] 
                 mt.relabel([v for st in o.state.values() for v in st.values() if isinstance(v, torch.Tensor)],
                            "optimizer")
             notes: list[str] = []
+            if plan.degrees.ep > 1:
+                notes.append(f"expert routing balanced (each of ep={plan.degrees.ep} ranks gets tokens x top-k / ep "
+                             "rows, each local expert an equal share): fake tensors carry no router decisions")
             vocab = _vocab_of(model)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with _step_autocast(modules, on_gpu):
                 if pm.pipeline is None:
                     mt.reset_peak()
                     ids = torch.randint(0, vocab, (plan.global_batch, max(plan.model.seq_len, 1) + 1))
@@ -417,7 +495,11 @@ def _replay_pipeline(pm: Any, plan: Plan, mt: LiveBytes, *, vocab: int, hidden: 
     all_mb, mb = plan.schedule.num_microbatches, plan.schedule.microbatch_size
     n_mb = replayed_microbatches(plan, microbatches)
     seq = max(plan.model.seq_len, 1) // plan.degrees.cp
-    dtype = next(iter(pm.parameters())).dtype
+    # the dtype of the hidden states crossing a stage: bf16 where FSDP2 gathers bf16 parameters, else the
+    # parameters' (fp32 under autocast: the embedding's output and the residual stream stay fp32)
+    fsdp_bf16 = any(isinstance(m, FSDPModule) and m._get_fsdp_state()._mp_policy.param_dtype == torch.bfloat16
+                    for root in modules for m in root.modules())
+    dtype = torch.bfloat16 if fsdp_bf16 else next(iter(pm.parameters())).dtype
     notes: list[str] = []
     if n_mb < all_mb:
         notes.append(f"replayed {n_mb} of the plan's {all_mb} micro-batches (warm-up, steady 1F1B rounds, cool-down; "
@@ -515,17 +597,24 @@ def _replay_pipeline(pm: Any, plan: Plan, mt: LiveBytes, *, vocab: int, hidden: 
     return notes
 
 
-def _check_in_child(plan: Plan, rank: int, microbatches: str | int) -> RankMemory:
+def _check_in_child(plan: Plan, rank: int, factory: Callable[[], nn.Module], microbatches: str | int) -> RankMemory:
+    import traceback
+
     torch.set_num_threads(1)
-    return check_rank(plan, rank, microbatches=microbatches)
+    try:
+        return check_rank(plan, rank, model_factory=factory, microbatches=microbatches)
+    except Exception as e:  # noqa: BLE001 - torch's exceptions do not all pickle back to the parent
+        raise RuntimeError(f"{type(e).__name__}: {e}\n{traceback.format_exc()}") from None
 
 
-def check_plan(plan: Plan, *, ranks: str = "first,middle,last", workers: int | None = None,
+def check_plan(plan: Plan, *, model_factory: Callable[[], nn.Module], ranks: str = "first,middle,last",
+               workers: int | None = None,
                microbatches: str | int = "auto",
                progress: Callable[[RankMemory], None] | None = None) -> list[RankMemory]:
     """``check_rank`` for each rank ``distinct_ranks(plan, ranks)`` names (``microbatches``:
     ``replayed_microbatches``), each in a fresh process (a process
-    group, its meshes and the runtime's patches do not outlive a rank), ``workers`` at a time (default: the CPU
+    group, its meshes and the runtime's patches do not outlive a rank; ``model_factory`` must pickle by name),
+    ``workers`` at a time (default: the CPU
     count, at most the ranks); results in rank order. A rank that fails raises ``runtime.measure.spawn.RankError``
     with its traceback."""
     import concurrent.futures as cf
@@ -541,7 +630,7 @@ def check_plan(plan: Plan, *, ranks: str = "first,middle,last", workers: int | N
     n = max(1, min(len(chosen), workers or os.cpu_count() or 1))
     out: dict[int, RankMemory] = {}
     with cf.ProcessPoolExecutor(max_workers=n, mp_context=mp.get_context("spawn"), max_tasks_per_child=1) as pool:
-        futures = {pool.submit(_check_in_child, plan, r, microbatches): r for r in chosen}
+        futures = {pool.submit(_check_in_child, plan, r, model_factory, microbatches): r for r in chosen}
         for fut in cf.as_completed(futures):
             r = futures[fut]
             try:
