@@ -125,8 +125,11 @@ def test_default_search_equals_brute_force_where_partial_recomputation_wins():
 
 @pytest.mark.slow
 def test_default_search_equals_brute_force_on_100_larger_instances():
+    # every instance equals brute force (checked inside); under the runtime's FSDP2 layouts partial recomputation
+    # wins in none of this draw (it did in 3 under the earlier memory model): the case where it wins is
+    # test_default_search_equals_brute_force_where_partial_recomputation_wins
     seen = [_check_default_search(*case) for case in _instances(7, 100, most=20000)]
-    assert sum("optimal" in s for s in seen) >= 80 and sum("partial" in s for s in seen) >= 3
+    assert sum("optimal" in s for s in seen) >= 80
 
 
 # --- bounds and the step-model properties they rest on ------------------------------------------------------
