@@ -41,7 +41,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
+from torch.nn.attention.bias import causal_lower_right as _causal_lower_right
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.distributed.device_mesh import DeviceMesh
 
 from costmodel.errors import ConfigError
@@ -53,6 +54,14 @@ log = logging.getLogger(__name__)
 CP_ATTENTION = "autopar_cp"
 """The attention implementation name a cp model's config selects."""
 _CONTEXT_ATTR = "_autopar_cp"
+
+
+def causal_lower_right(seq_q: int, seq_kv: int) -> Any:
+    """SDPA's lower-right causal bias, made with any ``TorchDispatchMode`` set aside: ``CausalBias`` is a tensor
+    subclass built from an empty tensor, which under an active mode (the measurement wing's live-bytes counter and
+    collective recorder) already has a plain Python object, so the subclass could not be made."""
+    with _disable_current_modes():
+        return _causal_lower_right(seq_q, seq_kv)
 
 
 def check_context_parallel(plan: Plan) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode
 
 OPS = {
     "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "all_reduce": "all_reduce",
@@ -86,14 +86,6 @@ def _site() -> str:
     return ""
 
 
-def _outside_modes(fn):
-    def call(*args, **kwargs):
-        with _disable_current_modes():
-            return fn(*args, **kwargs)
-
-    return call
-
-
 class CollectiveRecorder(TorchDispatchMode):
     """Records ``(op, group ranks, bytes, site)`` of every collective dispatched while active (this thread and the
     autograd threads it starts). ``events`` in call order; ``wait_tensor`` and the like are not collectives."""
@@ -101,23 +93,6 @@ class CollectiveRecorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.events: list[tuple[str, tuple[int, ...], int, str]] = []
-        self._saved: Any = None
-
-    def __enter__(self):
-        # SDPA's CausalBias is a tensor subclass made from an empty tensor: under a dispatch mode that tensor
-        # already has a plain Python object, and the subclass cannot be made. runtime.context_parallel makes it
-        # with the modes set aside.
-        from runtime import context_parallel
-
-        self._saved = context_parallel.causal_lower_right
-        context_parallel.causal_lower_right = _outside_modes(self._saved)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        from runtime import context_parallel
-
-        context_parallel.causal_lower_right = self._saved
-        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(t is DTensor for t in types):
