@@ -515,7 +515,7 @@ def _pipeline(parts: tuple[_CtxKey, ...], classes: tuple[int, ...], cluster: ByI
 # --- concurrent traffic (costmodel.comm.concurrent_times_s): the overlapped gradient reduction shares links
 # with the pipeline sends of the same backward window.
 def _pipeline_traffic_slowdown(workload: Workload, cfg: ParallelConfig, parts: tuple[Cluster, ...], rank: int, *,
-                               dense: float) -> float:
+                               dense: float, k: StepConstants) -> float:
     """How much longer pipeline rank ``rank``'s data-parallel gradient reduction takes because the pipeline
     sends of the backward it overlaps (one per chunk of the rank, to the next rank) run on the same links at
     the same time: the reduction of the dense gradient priced alone and beside those sends. 1 without a
@@ -525,7 +525,8 @@ def _pipeline_traffic_slowdown(workload: Workload, cfg: ParallelConfig, parts: t
     cluster = parts[0]
     stride = cfg.tp * cfg.cp * cfg.dp
     first = rank * stride
-    send = cfg.microbatch * workload.seq / cfg.cp * workload.hidden * workload.dtype_bytes / cfg.tp
+    send = p2p_boundary_bytes(workload, mb=cfg.microbatch, tp=cfg.tp, cp=cfg.cp,
+                              sp=cfg.sequence_parallel and cfg.tp > 1, k=k)
     op = "all_reduce" if cfg.zero_stage == 0 else "reduce_scatter"
     grads = Collective(op=op, nbytes=dense * workload.dtype_bytes, group=Group(size=cfg.dp * cfg.cp, stride=cfg.tp),
                        first_rank=first)
@@ -574,7 +575,7 @@ def _data_parallel(workload: Workload, cfg: ParallelConfig, parts: tuple[Cluster
         else:
             window = bwd_l[r]
         if window > 0 and cfg.zero_stage < 3:
-            t *= _pipeline_traffic_slowdown(workload, cfg, parts, r, dense=key[0])
+            t *= _pipeline_traffic_slowdown(workload, cfg, parts, r, dense=key[0], k=k)
         e = _exposed(t, window, k)
         if window > 0 and cfg.zero_stage < 3:  # the last bucket starts when the backward ends
             grad_bytes = (key[0] + key[1]) * wb[0]

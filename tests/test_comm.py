@@ -413,12 +413,14 @@ def test_step_model_prices_the_overlapped_gradient_reduction_beside_the_pipeline
     with pp=1 there is nothing to share."""
     from costmodel.analytic import gpt_workload
     from costmodel.step import ParallelConfig, _pipeline_traffic_slowdown
+    from costmodel.targets import load_target
 
+    k = load_target("megatron").constants  # its sends: the activation's 1 / tp slice (scatter / gather)
     wl = gpt_workload(layers=8, hidden=4096, heads=32, vocab=51200, seq=4096, name="gpt-7b")
     cluster = make_cluster("dgx-h100", 4)
     shared = ParallelConfig(tp=8, pp=2, dp=2, microbatch=4, global_batch=64, schedule="1f1b")
-    slow = _pipeline_traffic_slowdown(wl, shared, (cluster,), 0, dense=1e9)
+    slow = _pipeline_traffic_slowdown(wl, shared, (cluster,), 0, dense=1e9, k=k)
     assert 1.0 < slow < 2.0
-    assert _pipeline_traffic_slowdown(wl, shared, (cluster,), 1, dense=1e9) == 1.0  # the last rank sends nothing
+    assert _pipeline_traffic_slowdown(wl, shared, (cluster,), 1, dense=1e9, k=k) == 1.0  # the last rank sends nothing
     alone = ParallelConfig(tp=8, pp=1, dp=4, microbatch=4, global_batch=64, schedule="1f1b")
-    assert _pipeline_traffic_slowdown(wl, alone, (cluster,), 0, dense=1e9) == 1.0
+    assert _pipeline_traffic_slowdown(wl, alone, (cluster,), 0, dense=1e9, k=k) == 1.0
