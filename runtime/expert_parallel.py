@@ -97,6 +97,17 @@ def _ep_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch
     weight = top_k_weights.reshape(-1)[order]
     counts = torch.bincount(expert // local_e, minlength=ep)
     recv_x, send, recv = _dispatch(hidden_states[token], counts, group)
+    return ep_experts(self, hidden_states, recv_x, expert=expert, token=token, weight=weight, send=send, recv=recv,
+                      rows_of=lambda j, recv_e: (recv_e == j).nonzero().squeeze(1))
+
+
+def ep_experts(self: nn.Module, hidden_states: torch.Tensor, recv_x: torch.Tensor, *, expert: torch.Tensor,
+               token: torch.Tensor, weight: torch.Tensor, send: list[int], recv: list[int],
+               rows_of: Any) -> torch.Tensor:
+    """The part of the expert-parallel forward after the token all-to-all: the local expert ids exchanged, each
+    local expert run on its received rows (``rows_of(j, recv_e)``: their indices), the results sent back and
+    combined into the tokens' hidden states with their routing weights."""
+    group, ep, local_e = self._autopar_ep_group, self._autopar_ep, self._autopar_local_experts
     recv_e = torch.empty(sum(recv), dtype=expert.dtype, device=expert.device)
     dist.all_to_all_single(recv_e, (expert % local_e).contiguous(), output_split_sizes=recv,
                            input_split_sizes=send, group=group)
@@ -105,7 +116,7 @@ def _ep_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch
     gate_up, down = _ScaleGrad.apply(gate_up, 1.0 / ep), _ScaleGrad.apply(down, 1.0 / ep)  # (docstring)
     out = torch.zeros_like(recv_x)
     for j in range(local_e):
-        idx = (recv_e == j).nonzero().squeeze(1)
+        idx = rows_of(j, recv_e)
         gate, up = nn.functional.linear(recv_x[idx], gate_up[j]).chunk(2, dim=-1)
         out = out.index_add(0, idx, nn.functional.linear(self.act_fn(gate) * up, down[j]).to(out.dtype))
     back = out.new_empty((sum(send),) + tuple(out.shape[1:]))

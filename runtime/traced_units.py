@@ -184,17 +184,8 @@ class TracedUnits:
         return units
 
     def _references(self, model: nn.Module, unit: Unit) -> None:
-        mods: dict[str, None] = {}
-        for n in unit.nodes:
-            if n.op == "call_module":
-                mods[str(n.target)] = None
-            elif n.op == "get_attr":
-                owner, _, attr = str(n.target).rpartition(".")
-                if owner:
-                    mods[owner] = None
-                elif attr not in self.constants:
-                    unit.root_attrs.append(attr)
-        unit.modules = list(mods)
+        unit.modules, attrs = self.chunk_references(unit.nodes)
+        unit.root_attrs.extend(attrs)
 
     def _check_layer_reads(self, units: list[Unit]) -> None:
         for unit in units:

@@ -291,7 +291,7 @@ def _ep_forward_balanced(self: nn.Module, hidden_states: torch.Tensor, top_k_ind
     """``runtime.expert_parallel._ep_forward`` with the routing counts fake tensors cannot give (they are data):
     every ep rank sends and receives ``tokens x top-k / ep`` rows and each local expert takes an equal share
     (balanced routing, the load the router's auxiliary loss aims at); the same ops on the same shapes otherwise."""
-    from runtime.expert_parallel import _ScaleGrad, a2a_autograd
+    from runtime.expert_parallel import a2a_autograd, ep_experts
 
     group, ep, local_e = self._autopar_ep_group, self._autopar_ep, self._autopar_local_experts
     n, k = top_k_index.shape
@@ -306,22 +306,9 @@ def _ep_forward_balanced(self: nn.Module, hidden_states: torch.Tensor, top_k_ind
     x = hidden_states[token]
     recv_x = a2a_autograd(x.new_empty((sum(recv),) + tuple(x.shape[1:])), x, output_split_sizes=recv,
                           input_split_sizes=send, group=group)
-    recv_e = torch.empty(sum(recv), dtype=expert.dtype, device=expert.device)
-    dist.all_to_all_single(recv_e, (expert % local_e).contiguous(), output_split_sizes=recv,
-                           input_split_sizes=send, group=group)
-    gate_up = self.gate_up_proj.to_local() if hasattr(self.gate_up_proj, "to_local") else self.gate_up_proj
-    down = self.down_proj.to_local() if hasattr(self.down_proj, "to_local") else self.down_proj
-    gate_up, down = _ScaleGrad.apply(gate_up, 1.0 / ep), _ScaleGrad.apply(down, 1.0 / ep)
-    out = torch.zeros_like(recv_x)
     per = sum(recv) // local_e
-    for j in range(local_e):
-        idx = torch.arange(j * per, (j + 1) * per, device=recv_x.device)
-        gate, up = nn.functional.linear(recv_x[idx], gate_up[j]).chunk(2, dim=-1)
-        out = out.index_add(0, idx, nn.functional.linear(self.act_fn(gate) * up, down[j]).to(out.dtype))
-    back = out.new_empty((sum(send),) + tuple(out.shape[1:]))
-    back = a2a_autograd(back, out, output_split_sizes=send, input_split_sizes=recv, group=group)
-    contrib = back * weight[:, None].to(back.dtype)
-    return torch.zeros_like(hidden_states).index_add(0, token, contrib.to(hidden_states.dtype))
+    return ep_experts(self, hidden_states, recv_x, expert=expert, token=token, weight=weight, send=send, recv=recv,
+                      rows_of=lambda j, _: torch.arange(j * per, (j + 1) * per, device=recv_x.device))
 
 
 def _hidden_size(model: nn.Module) -> int:
