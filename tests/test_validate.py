@@ -82,6 +82,12 @@ def test_row_error_is_relative_to_measured():
     assert row["memory_error"] == pytest.approx(0.0) and row["model_rss_gb"] == pytest.approx(0.2)
     table = cmd._format([row], header=True)
     assert "+20.0%" in table and "0.800" in table and "1.200" in table and "+0.0%" in table
+    # a GPU plan's allocator reserve (CUDA context, fragmentation) is no tensor: the error leaves it out
+    gpu = dataclasses.replace(plan, prediction=dataclasses.replace(
+        plan.prediction, memory_gb_per_device=0.8, memory_breakdown_gb={"weights": 0.5, "allocator_reserve": 0.3}))
+    row = cmd._row(gpu, ms)
+    assert row["predicted_tensor_gb"] == pytest.approx(0.5) and row["memory_error"] == pytest.approx(0.0)
+    assert row["predicted_gb"] == pytest.approx(0.8)
 
 
 TINY = "llama:layers=2,hidden=64,ffn=128,heads=2,kv_heads=2,vocab=128,seq=16"

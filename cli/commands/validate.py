@@ -99,6 +99,9 @@ def _label(plan) -> str:
     d = plan.degrees
     parts = [f"{k}{getattr(d, k)}" for k in ("tp", "pp", "dp", "ep", "cp") if getattr(d, k) > 1] or ["single"]
     extra = f" z{plan.zero_stage}" + (" sp" if plan.sequence_parallel else "")
+    recompute = {st.recompute for st in plan.stages}
+    if recompute != {"none"}:
+        extra += " rc=" + "/".join(sorted(recompute))
     sched = f" {plan.schedule.name} mb{plan.schedule.microbatch_size}x{plan.schedule.num_microbatches}"
     return "x".join(parts) + extra + sched
 
@@ -226,8 +229,9 @@ def _row(plan, got) -> dict:
     """One table row. ``measured_s`` is the median step (a shared machine's other jobs slow some steps; the
     calibration, measured with the same ranks at once just before, keeps its median blocks alike),
     ``fastest_s`` the fastest. ``measured_gb``: the fullest rank's peak live tensor bytes (the memory the plan's
-    ``memory_gb_per_device`` describes; ``runtime.measure.validate``), ``memory_error`` the prediction's error
-    relative to it."""
+    ``memory_gb_per_device`` describes less its allocator reserve, the CUDA context and fragmentation margin
+    that live tensors and ``torch.cuda.max_memory_allocated`` do not count: ``predicted_tensor_gb``; zero on CPU
+    ranks), ``memory_error`` that prediction's error relative to it."""
     import statistics
 
     from runtime.measure.validate import step_times_s
@@ -238,6 +242,7 @@ def _row(plan, got) -> dict:
     # the largest peak of live tensor bytes over ranks (on CUDA: torch.cuda.max_memory_allocated where larger)
     measured_gb = max(max(m.peak_live_bytes, m.cuda_max_allocated_bytes) for m in got) / 1e9
     predicted_s = plan.prediction.step_time_s
+    tensors_gb = plan.prediction.memory_gb_per_device - plan.prediction.memory_breakdown_gb.get("allocator_reserve", 0.0)
     return {
         "plan": _label(plan),
         "predicted_s": predicted_s,
@@ -246,7 +251,8 @@ def _row(plan, got) -> dict:
         "error": (predicted_s - measured_s) / measured_s,
         "predicted_gb": plan.prediction.memory_gb_per_device,
         "measured_gb": measured_gb,
-        "memory_error": (plan.prediction.memory_gb_per_device - measured_gb) / measured_gb if measured_gb else None,
+        "predicted_tensor_gb": tensors_gb,
+        "memory_error": (tensors_gb - measured_gb) / measured_gb if measured_gb else None,
         "measured_by_category_gb": {k: v / 1e9 for k, v in fullest.live_bytes.items()},
         "measured_peak_where": fullest.peak_live_where,
         "per_rank_live_gb": [m.peak_live_bytes / 1e9 for m in got],
@@ -268,6 +274,6 @@ def _format(rows: list[dict], *, header: bool) -> str:
         own = f"{r['own_s']:>7.3f}" if "own_s" in r else f"{'-':>7}"
         mem_err = "-" if r["memory_error"] is None else f"{100 * r['memory_error']:+.1f}%"
         lines.append(f"{r['plan']:<36} {r['predicted_s']:>8.3f} {r['measured_s']:>8.3f} {100 * r['error']:>+6.1f}% "
-                     f"{r['fastest_s']:>8.3f} {own} {r['predicted_gb']:>8.3f} {r['measured_gb']:>8.3f} {mem_err:>7} "
+                     f"{r['fastest_s']:>8.3f} {own} {r['predicted_tensor_gb']:>8.3f} {r['measured_gb']:>8.3f} {mem_err:>7} "
                      f"{r['peak_rss_gb']:>7.3f}  {ranks}")
     return "\n".join(lines)
