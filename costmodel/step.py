@@ -372,7 +372,9 @@ def dp_collectives(*, params: float, expert_params: float, bytes_per_param: floa
     (embedding, head), each on its share of the bytes; ZeRO-1/2 too where the target shards in units
     (``StepConstants.zero12_per_unit``: FSDP2). ZeRO-0 all-reduces once per step, in ``ddp_buckets``; with
     ``tensor_parallel`` under that FSDP2 runtime, once per unit (DTensor parameters: FSDP2's ``replicate``
-    instead of DDP, which reduces on the step's last micro-batch as ZeRO-1 does)."""
+    instead of DDP, which reduces on the step's last micro-batch as ZeRO-1 does). Where no wrapper runs (ZeRO-0
+    in a pipeline or with expert parallel) the runtime averages by hand in the same buckets as DDP
+    (``runtime.data_parallel.average_gradients``)."""
     out = []
     for group, n in (("dense", params), ("expert", expert_params)):
         if n <= 0:
@@ -395,8 +397,13 @@ def dp_collectives(*, params: float, expert_params: float, bytes_per_param: floa
 
 
 def _tp_sharded(workload: Workload, cfg: ParallelConfig, dense_per_device: float) -> bool:
-    """Whether tensor parallelism splits any dense parameter (``dense_per_device``: the devices' dense parameters
-    summed over pipeline ranks, below the model's): the runtime's parameters are then DTensors."""
+    """Whether the ZeRO-0 gradients are reduced per FSDP2 unit (``dp_collectives`` ``tensor_parallel``): tensor
+    parallelism splits a dense parameter (``dense_per_device``: the devices' dense parameters summed over pipeline
+    ranks, below the model's), so the runtime's parameters are DTensors, and a wrapper reduces them: not where
+    the runtime averages by hand in DDP's buckets (ZeRO-0 in a pipeline or with expert parallel:
+    ``runtime.data_parallel.averages_by_hand``)."""
+    if cfg.zero_stage == 0 and (cfg.pp > 1 or cfg.ep > 1):
+        return False
     full = sum(layer.params - layer.expert_params for layer in workload.layers)
     return cfg.tp > 1 and dense_per_device < full * (1.0 - 1e-9)
 

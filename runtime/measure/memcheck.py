@@ -291,13 +291,14 @@ def _ep_forward_balanced(self: nn.Module, hidden_states: torch.Tensor, top_k_ind
     """``runtime.expert_parallel._ep_forward`` with the routing counts fake tensors cannot give (they are data):
     every ep rank sends and receives ``tokens x top-k / ep`` rows and each local expert takes an equal share
     (balanced routing, the load the router's auxiliary loss aims at); the same ops on the same shapes otherwise."""
-    from runtime.expert_parallel import a2a_autograd, ep_experts
+    from runtime.expert_parallel import a2a_autograd, ep_experts, exchange_counts
 
     group, ep, local_e = self._autopar_ep_group, self._autopar_ep, self._autopar_local_experts
     n, k = top_k_index.shape
     rows = n * k
     split = [rows // ep + (1 if r < rows % ep else 0) for r in range(ep)]
     send, recv = split, [split[dist.get_rank(group) if group is not None else 0]] * ep
+    exchange_counts(torch.tensor(send), group)  # issued as the runtime issues it; its (fake) answer is not data
     token = torch.arange(n, device=hidden_states.device).repeat_interleave(k)
     expert = top_k_index.reshape(-1)
     order = torch.argsort(expert, stable=True)
