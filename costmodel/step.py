@@ -369,7 +369,8 @@ def dp_collectives(*, params: float, expert_params: float, bytes_per_param: floa
     micro-batch, ``StepConstants.zero2_reduce_per_microbatch``).
     ZeRO-3 gathers and reduces parameters module by module: ``layers`` transformer layers on the rank times
     ``StepConstants.zero3_collectives_per_layer`` collectives per pass, plus one for the rank's other entries
-    (embedding, head), each on its share of the bytes; ZeRO-1/2 too where the target shards in units
+    (embedding, head; not for the expert parameters, which sit in their layers), each on its share of the bytes;
+    ZeRO-1/2 too where the target shards in units
     (``StepConstants.zero12_per_unit``: FSDP2). ZeRO-0 all-reduces once per step, in ``ddp_buckets``; with
     ``tensor_parallel`` under that FSDP2 runtime, once per unit (DTensor parameters: FSDP2's ``replicate``
     instead of DDP, which reduces on the step's last micro-batch as ZeRO-1 does). Where no wrapper runs (ZeRO-0
@@ -380,7 +381,8 @@ def dp_collectives(*, params: float, expert_params: float, bytes_per_param: floa
         if n <= 0:
             continue
         per_unit = zero_stage == 3 or (zero_stage in (1, 2) and k.zero12_per_unit)
-        units = layers * k.zero3_collectives_per_layer + 1 if per_unit else 1
+        # the root unit (embedding, head) holds no experts: expert parameters are in their layers' units
+        units = max(1, layers * k.zero3_collectives_per_layer + (1 if group == "dense" else 0)) if per_unit else 1
         if zero_stage == 0 and tensor_parallel and k.zero12_per_unit:
             units, parts = layers * k.zero3_collectives_per_layer + 1, [("all_reduce", 1)]
         elif zero_stage == 0:

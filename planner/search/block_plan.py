@@ -136,6 +136,10 @@ def edge_collectives(src: OpStrategy, dst: OpStrategy, index: int, nbytes: float
     reaching the producer's layout is a local slice."""
     fwd = forward_conversion(src.out_layout, dst.in_layouts[index], nbytes, at_block_boundary=into_output,
                              consumer_gathers=dst.gathers_sequence)
+    if fwd and src.style == "vocab_embedding" and dst.in_layouts[index] == "S_seq":
+        # runtime.tensor_parallel: the vocab-parallel embedding reduces to Replicate (the model computes positions
+        # from the whole sequence) and the first sequence-parallel layer slices it: an all-reduce, not a scatter
+        fwd = conversion("P", "R", nbytes)
     grad = dst.grad_layouts[index]
     if copies > 1 and grad == "P":
         bwd = conversion("P", "R", nbytes) * copies + conversion("R", dual(src.out_layout), nbytes)
