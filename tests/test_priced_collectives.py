@@ -285,3 +285,15 @@ def test_zero0_on_gpus_reduces_fp32_gradients_over_tp():
     _assert_equal(got, want, keys=[k for k in want if k != ("tp", "all_reduce")])
     assert got[("tp", "all_reduce")][0] == want[("tp", "all_reduce")][0]
     assert got[("tp", "all_reduce")][1] > 1.5 * want[("tp", "all_reduce")][1]
+
+
+def test_runtime_buckets_are_the_priced_buckets():
+    """ZeRO-0 by hand (``runtime.data_parallel.gradient_buckets``) cuts the gradients where the step model counts
+    DDP's buckets (``costmodel.step.ddp_buckets`` with the autopar target's sizes)."""
+    from costmodel.step import ddp_buckets
+    from costmodel.targets import load_target
+    from runtime.data_parallel import gradient_buckets
+
+    k = load_target("autopar").constants
+    for numel in (1, 2**18, 2**18 + 1, 7_000_000, 2**18 + 3 * 25 * 2**18, 2**18 + 3 * 25 * 2**18 + 1):
+        assert len(gradient_buckets(numel, 4)) == ddp_buckets(numel * 4.0, k), numel
