@@ -144,13 +144,14 @@ def test_zero_stages_issue_what_fsdp2_issues():
 
 @pytest.mark.distributed
 def test_context_parallel_kv_traffic():
-    """Per layer one K / V all-gather (kept for the backward) and one reduction of its gradient: on these CPU
-    ranks' gloo an all-reduce, and priced as one."""
-    layers = 2
+    """Per layer and micro-batch one all-gather of K and V over the whole sequence (kept for the backward) and one
+    reduction of their gradient: on these CPU ranks' gloo an all-reduce, priced as one (and issued: above)."""
+    plan = _plan("cp2")
+    layers, m, mb = 2, plan.schedule.num_microbatches, plan.schedule.microbatch_size
+    kv = 2 * mb * SEQ * (64 * 2 // 4) * 4  # K and V: (mb, seq, hidden x kv_heads / heads), fp32
     want = priced("cp2")[0]
-    kv = want[("cp", "all_gather")][1] / layers
-    assert want[("cp", "all_gather")] == [layers, pytest.approx(layers * kv)]
-    assert want[("cp", "all_reduce")] == [layers, pytest.approx(layers * kv)]
+    assert want[("cp", "all_gather")] == [layers * m, pytest.approx(layers * m * kv)]
+    assert want[("cp", "all_reduce")] == [layers * m, pytest.approx(layers * m * kv)]
     assert ("cp", "reduce_scatter") not in want
 
 
