@@ -12,7 +12,8 @@ forward GEMM and memory-bound time, 2.5x the flash forward.
 Collectives per layer: tp: 2 all-reduces of ``b s h`` forward (sequence parallel: 2 all-gathers + 2
 reduce-scatters); backward one all-reduce per column-parallel projection (q, k, v, gate / up separately, or 2
 with ``tp_fused_input_projections``), plus 2 all-gathers under sequence parallelism; cp: K/V all-gather forward,
-reduce-scatter backward; ep: dispatch + combine all-to-alls forward and backward. Memory: Korthikanti's
+reduce-scatter backward (all-reduce on CPU ranks); ep: dispatch + combine all-to-alls forward and backward, the two
+routing all-to-alls (row counts, expert ids) forward. Memory: Korthikanti's
 activation bytes (``costmodel.memory.activation_bytes_per_layer``), the logits of the head.
 """
 
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 
 from costmodel import memory as mem
 from costmodel.block_cost import LayerCost, LayerCtx
+from costmodel.collectives import ROUTING_INDEX_BYTES
 from costmodel.comm import Group, collective_time_s
 from costmodel.compute import dispatch_time_s, matmul_time_s, op_time_s
 from costmodel.workload import LayerWork
@@ -139,18 +141,23 @@ def transformer_cost(w: TransformerDims, c: LayerCtx, layer: LayerWork) -> Layer
     kind, tp_f, tp_b = _tp_comm(w, c, tokens)
     _add(comm_f, kind, tp_f)
     _add(comm_b, kind, tp_b)
-    if c.cp > 1:  # K/V all-gather (fwd) and reduce-scatter of dK/dV (bwd) before / after the attention core:
-        # on the critical path, as runtime.context_parallel runs them (Llama 3's all-gather CP, not a ring)
+    if c.cp > 1:  # K/V all-gather (fwd, kept for the bwd) and the reduction of dK/dV to this rank's slice (bwd):
+        # on the critical path, as runtime.context_parallel runs them (Llama 3's all-gather CP, not a ring): a
+        # reduce-scatter on NCCL, an all-reduce on CPU ranks' gloo
         nbytes = 2.0 * c.microbatch * w.seq * (w.hidden * w.kv_heads // w.heads) / c.tp * w.dtype_bytes
         group = Group(size=c.cp, stride=c.tp)
         ag = collective_time_s("all_gather", nbytes, group, c.cluster)
-        rs = collective_time_s("reduce_scatter", nbytes, group, c.cluster)
+        rs = collective_time_s("all_reduce" if c.device.kind == "cpu" else "reduce_scatter", nbytes, group,
+                               c.cluster)
         _add(comm_f, ag.link_kind, ag.time_s)
         _add(comm_b, rs.link_kind, rs.time_s)
     if c.ep > 1 and w.experts:
-        nbytes = tokens * w.hidden * max(1, w.topk) * w.dtype_bytes
-        a2a = collective_time_s("all_to_all", nbytes, Group(size=c.ep, stride=c.tp * c.cp), c.cluster)
-        _add(comm_f, a2a.link_kind, 2.0 * a2a.time_s)
+        rows = tokens * max(1, w.topk)
+        group = Group(size=c.ep, stride=c.tp * c.cp)
+        a2a = collective_time_s("all_to_all", rows * w.hidden * w.dtype_bytes, group, c.cluster)
+        # the routing before the dispatch: int64 row counts per ep rank, an int64 expert id per row
+        routing = sum(collective_time_s("all_to_all", n * ROUTING_INDEX_BYTES, group, c.cluster).time_s for n in (c.ep, rows))
+        _add(comm_f, a2a.link_kind, 2.0 * a2a.time_s + routing)
         _add(comm_b, a2a.link_kind, 2.0 * a2a.time_s)
     rec_s, comm_r = 0.0, {}
     working = 0.0

@@ -11,6 +11,10 @@ from costmodel.errors import ConfigError
 
 COLLECTIVE_OPS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 
+ROUTING_INDEX_BYTES = 8
+"""Bytes of one routing index that expert parallelism exchanges before its dispatch (``runtime.expert_parallel``:
+int64 row counts per ep rank and an int64 expert id per row)."""
+
 
 def ring_terms(op: str, n: int) -> tuple[float, float]:
     """(latency steps, bandwidth factor) of the ring formula for ``op`` on ``n`` ranks."""

@@ -369,16 +369,20 @@ def dp_collectives(*, params: float, expert_params: float, bytes_per_param: floa
     micro-batch, ``StepConstants.zero2_reduce_per_microbatch``).
     ZeRO-3 gathers and reduces parameters module by module: ``layers`` transformer layers on the rank times
     ``StepConstants.zero3_collectives_per_layer`` collectives per pass, plus one for the rank's other entries
-    (embedding, head), each on its share of the bytes; ZeRO-1/2 too where the target shards in units
+    (embedding, head; not for the expert parameters, which sit in their layers), each on its share of the bytes;
+    ZeRO-1/2 too where the target shards in units
     (``StepConstants.zero12_per_unit``: FSDP2). ZeRO-0 all-reduces once per step, in ``ddp_buckets``; with
     ``tensor_parallel`` under that FSDP2 runtime, once per unit (DTensor parameters: FSDP2's ``replicate``
-    instead of DDP, which reduces on the step's last micro-batch as ZeRO-1 does)."""
+    instead of DDP, which reduces on the step's last micro-batch as ZeRO-1 does). Where no wrapper runs (ZeRO-0
+    in a pipeline or with expert parallel) the runtime averages by hand in the same buckets as DDP
+    (``runtime.data_parallel.average_gradients``)."""
     out = []
     for group, n in (("dense", params), ("expert", expert_params)):
         if n <= 0:
             continue
         per_unit = zero_stage == 3 or (zero_stage in (1, 2) and k.zero12_per_unit)
-        units = layers * k.zero3_collectives_per_layer + 1 if per_unit else 1
+        # the root unit (embedding, head) holds no experts: expert parameters are in their layers' units
+        units = max(1, layers * k.zero3_collectives_per_layer + (1 if group == "dense" else 0)) if per_unit else 1
         if zero_stage == 0 and tensor_parallel and k.zero12_per_unit:
             units, parts = layers * k.zero3_collectives_per_layer + 1, [("all_reduce", 1)]
         elif zero_stage == 0:
@@ -395,8 +399,13 @@ def dp_collectives(*, params: float, expert_params: float, bytes_per_param: floa
 
 
 def _tp_sharded(workload: Workload, cfg: ParallelConfig, dense_per_device: float) -> bool:
-    """Whether tensor parallelism splits any dense parameter (``dense_per_device``: the devices' dense parameters
-    summed over pipeline ranks, below the model's): the runtime's parameters are then DTensors."""
+    """Whether the ZeRO-0 gradients are reduced per FSDP2 unit (``dp_collectives`` ``tensor_parallel``): tensor
+    parallelism splits a dense parameter (``dense_per_device``: the devices' dense parameters summed over pipeline
+    ranks, below the model's), so the runtime's parameters are DTensors, and a wrapper reduces them: not where
+    the runtime averages by hand in DDP's buckets (ZeRO-0 in a pipeline or with expert parallel:
+    ``runtime.data_parallel.averages_by_hand``)."""
+    if cfg.zero_stage == 0 and (cfg.pp > 1 or cfg.ep > 1):
+        return False
     full = sum(layer.params - layer.expert_params for layer in workload.layers)
     return cfg.tp > 1 and dense_per_device < full * (1.0 - 1e-9)
 

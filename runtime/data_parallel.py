@@ -150,19 +150,60 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
+FIRST_BUCKET_BYTES = dist._DEFAULT_FIRST_BUCKET_BYTES
+"""DDP's first gradient bucket (1 MiB: the last layers' gradients, reduced early)."""
+BUCKET_BYTES = 25 * 2**20
+"""DDP's other buckets (``bucket_cap_mb=25``, its default, in MiB)."""
+
+
+def gradient_buckets(numel: int, element_size: int) -> list[tuple[int, int]]:
+    """``[start, end)`` element ranges of a flat gradient of ``numel`` elements in DDP's bucket sizes: the first
+    ``FIRST_BUCKET_BYTES``, then ``BUCKET_BYTES`` each (the step model counts the same:
+    ``costmodel.step.ddp_buckets``)."""
+    first, rest = FIRST_BUCKET_BYTES // element_size, BUCKET_BYTES // element_size
+    out, start = [], 0
+    while start < numel:
+        end = min(numel, start + (first if not out else rest))
+        out.append((start, end))
+        start = end
+    return out
+
+
 def average_gradients(named_params: Iterable[tuple[str, nn.Parameter]], *, mesh: DeviceMesh,
                       expert_params: frozenset[str] = frozenset()) -> None:
     """Average the gradients in place as one process would, where no wrapper does (``averages_by_hand``).
 
     Expert gradients (names in ``expert_params``) already hold the mean over ep (the all-to-all backward, scaled
     by 1/ep): averaged over the outer ``dp`` axis. Every other gradient (the local shard of a TP DTensor, or a
-    plain tensor) over the batch ranks (``grad_mesh``). Nothing over tp: every tp rank computed the same."""
-    batch, dp_outer = grad_mesh(mesh), mesh["dp"]
+    plain tensor) over the batch ranks (``grad_mesh``). Nothing over tp: every tp rank computed the same.
+    Each group's gradients, last parameter first (the order DDP fills its buckets in), are all-reduced as one
+    flat sequence cut into DDP's buckets (``gradient_buckets``): one collective per bucket, not per tensor."""
+    groups: dict[str, tuple[DeviceMesh, list[torch.Tensor]]] = {"dense": (grad_mesh(mesh), []),
+                                                                "expert": (mesh["dp"], [])}
     for name, p in named_params:
-        if p.grad is None:
-            continue
-        g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        group = dp_outer if name in expert_params else batch
+        if p.grad is not None:
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            groups["expert" if name in expert_params else "dense"][1].append(g)
+    for group, grads in groups.values():
         if group.size() > 1:
-            dist.all_reduce(g, group=group.get_group())
-            g.div_(group.size())
+            for dtype in dict.fromkeys(g.dtype for g in grads):
+                _all_reduce_bucketed([g for g in reversed(grads) if g.dtype == dtype], group)
+
+
+def _all_reduce_bucketed(grads: list[torch.Tensor], group: DeviceMesh) -> None:
+    """Mean over ``group`` of ``grads`` (one dtype, contiguous), one all-reduce per bucket of their flat
+    concatenation, copied back."""
+    flat = [g.view(-1) for g in grads]
+    offsets = [0]
+    for f in flat:
+        offsets.append(offsets[-1] + f.numel())
+    for lo, hi in gradient_buckets(offsets[-1], grads[0].element_size()):
+        parts = [(i, max(lo, offsets[i]) - offsets[i], min(hi, offsets[i + 1]) - offsets[i])
+                 for i in range(len(flat)) if offsets[i] < hi and offsets[i + 1] > lo]
+        bucket = torch.cat([flat[i][a:b] for i, a, b in parts])
+        dist.all_reduce(bucket, group=group.get_group())
+        bucket.div_(group.size())
+        pos = 0
+        for i, a, b in parts:
+            flat[i][a:b].copy_(bucket[pos:pos + b - a])
+            pos += b - a

@@ -64,11 +64,16 @@ def _check_experts(fqn: str, module: nn.Module, ep: int) -> int:
     return experts
 
 
-def _dispatch(x: torch.Tensor, counts: torch.Tensor, group: Any) -> tuple[torch.Tensor, list[int], list[int]]:
-    """Send ``x`` rows (grouped by destination, ``counts[r]`` rows to rank r); the received rows and the splits."""
+def exchange_counts(counts: torch.Tensor, group: Any) -> torch.Tensor:
+    """The first routing all-to-all: ``counts[r]`` rows this rank sends to ep rank r -> the rows each sends here."""
     recv_counts = torch.empty_like(counts)
     dist.all_to_all_single(recv_counts, counts, group=group)
-    send, recv = counts.tolist(), recv_counts.tolist()
+    return recv_counts
+
+
+def _dispatch(x: torch.Tensor, counts: torch.Tensor, group: Any) -> tuple[torch.Tensor, list[int], list[int]]:
+    """Send ``x`` rows (grouped by destination, ``counts[r]`` rows to rank r); the received rows and the splits."""
+    send, recv = counts.tolist(), exchange_counts(counts, group).tolist()
     out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
     return a2a_autograd(out, x, output_split_sizes=recv, input_split_sizes=send, group=group), send, recv
 

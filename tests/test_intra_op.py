@@ -286,11 +286,12 @@ def test_context_parallel_and_recompute(traced, cluster) -> None:
     local_act = b * (s // cp) * h * 2  # each cp rank holds s/cp tokens
     # 2 forward; backward one per column-parallel module (q, k, v, fc1) as the runtime shards them
     assert comm["tp_all_reduce"] == pytest.approx(6 * local_act, rel=1e-12)
-    # Ring attention: this rank's heads of K and V (2 * b*s*h/tp, full sequence) gathered forward and again
-    # backward, their gradients reduce-scattered.
+    # All-gather context parallelism: this rank's heads of K and V (2 * b*s*h/tp, full sequence) gathered once in
+    # the forward and kept, their gradients reduce-scattered (NCCL on these GPUs).
     kv_bytes = 2 * b * s * h * 2 / tp
-    assert comm["cp_all_gather"] == pytest.approx(2 * kv_bytes, rel=1e-12)
+    assert comm["cp_all_gather"] == pytest.approx(kv_bytes, rel=1e-12)
     assert comm["cp_reduce_scatter"] == pytest.approx(kv_bytes, rel=1e-12)
+    assert "cp_all_reduce" not in comm
 
     none = block_strategy(layers[0], graph=graph, tp=tp, microbatch=b, seq=s, cluster=cluster)
     full = block_strategy(layers[0], graph=graph, tp=tp, microbatch=b, seq=s, cluster=cluster, recompute="full")
@@ -317,7 +318,7 @@ def test_experts_over_ep_use_all_to_all(cluster) -> None:
         LayerOp(name="experts", kind="experts", inputs=("norm", "router"), modules=("experts",),
                 flops_fwd=2.0 * tokens * topk * 3 * h * 14336, flops_bwd=4.0 * tokens * topk * 3 * h * 14336,
                 bytes_fwd=8 * 3 * h * 14336 * 2.0, out_bytes=act, saved_bytes=4 * act, params=8 * 3 * h * 14336,
-                dispatch_bytes=tokens * topk * h * 2.0, op_class="matmul"),
+                dispatch_bytes=tokens * topk * h * 2.0, dispatch_rows=tokens * topk, op_class="matmul"),
         LayerOp(name="add", kind="add", inputs=("input", "experts"), bytes_fwd=3 * act, out_bytes=act),
         LayerOp(name="output", kind="output", inputs=("add",), out_bytes=act),
     ]
@@ -327,7 +328,9 @@ def test_experts_over_ep_use_all_to_all(cluster) -> None:
         styles = {m.fqn: m.style for m in bs.shardings}
         assert styles["experts"] == ("expert" if ep > 1 else "replicate") and styles["gate"] == "replicate"
         a2a = bs.comm_bytes_by_kind.get("ep_all_to_all", 0.0)
-        assert a2a == pytest.approx(4 * tokens * topk * h * 2.0 if ep > 1 else 0.0)  # dispatch + combine, f + b
+        # dispatch + combine, forward + backward; the routing: int64 row counts per ep rank, an int64 id per row
+        routing = 8.0 * (ep + tokens * topk)
+        assert a2a == pytest.approx(4 * tokens * topk * h * 2.0 + routing if ep > 1 else 0.0)
         assert bs.state_bytes == pytest.approx(16 * (8 * 3 * h * 14336 / ep + 9 * h))
 
 
@@ -346,7 +349,8 @@ def test_mixtral_block_experts(cluster) -> None:
     styles = _styles(bs)
     assert styles["experts"] == "expert" and styles["gate"] == "replicate"
     assert (styles["q_proj"], styles["o_proj"]) == ("colwise", "rowwise")
-    assert bs.comm_bytes_by_kind["ep_all_to_all"] == pytest.approx(4 * 4096 * 2 * 4096 * 2, rel=1e-9)
+    routing = 8 * (4 + 4096 * 2)  # int64 row counts per ep rank, an int64 expert id per (token, expert) row
+    assert bs.comm_bytes_by_kind["ep_all_to_all"] == pytest.approx(4 * 4096 * 2 * 4096 * 2 + routing, rel=1e-9)
 
 
 def test_coarsened_graph_is_refused(traced, cluster) -> None:

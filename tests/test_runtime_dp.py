@@ -62,3 +62,40 @@ def test_data_parallel_two_ranks():
                  "llama dp2 zero3 recompute full, first layer only"):
         assert sum(res["local_numel"][name] for res in results) == full_numel[name]
         assert r0["local_numel"][name] < 0.6 * full_numel[name]
+
+
+def _bucketed_body(rank: int, world_size: int) -> dict:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import runtime.data_parallel as rdp
+    from runtime.measure.comm_trace import CollectiveRecorder
+
+    rdp.FIRST_BUCKET_BYTES, rdp.BUCKET_BYTES = 64, 256  # buckets that cut through the tensors
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    gen = torch.Generator().manual_seed(rank)
+    grads = [torch.randn(shape, generator=gen) for shape in ((7, 5), (3,), (40,), (2, 2, 9), (1,))]
+    before = [g.clone() for g in grads]
+    rec = CollectiveRecorder()
+    with rec:
+        rdp._all_reduce_bucketed(grads, mesh)
+    numel = sum(g.numel() for g in grads)
+    return {"before": before, "after": grads, "calls": [e[0] for e in rec.events],
+            "buckets": rdp.gradient_buckets(numel, 4)}
+
+
+def test_gradients_averaged_by_hand_in_buckets():
+    """ZeRO-0 averaging by hand (pipeline, expert parallel): one all-reduce per bucket of the flat gradients, buckets
+    that split tensors, each gradient the mean over the ranks afterwards."""
+    import torch
+
+    from dist_utils import run_distributed
+
+    out = run_distributed(_bucketed_body, world_size=2, timeout_s=120)
+    numel = 7 * 5 + 3 + 40 + 2 * 2 * 9 + 1  # 115 fp32: a 16-element bucket, then 64 each
+    assert out[0]["buckets"] == [(0, 16), (16, 80), (80, 115)]
+    assert out[0]["calls"] == ["all_reduce"] * 3 and sum(b - a for a, b in out[0]["buckets"]) == numel
+    for i in range(5):
+        mean = (out[0]["before"][i] + out[1]["before"][i]) / 2
+        for r in range(2):
+            torch.testing.assert_close(out[r]["after"][i], mean)

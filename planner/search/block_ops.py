@@ -425,13 +425,14 @@ def _to_layer_op(a: _Acc, sc: _Scale, *, heads: tuple[int, int, int] | None, exp
     elif a.kind in ("embedding",):
         shard_dims = (a.out_features[0],) if a.out_features else ()
     out_bytes = a.out_elems * sc.tokens * db
-    dispatch = 0.0
+    dispatch = rows = 0.0
     if a.kind == "experts" and experts and a.out_elems:
         # tokens * topk * hidden elements cross the ep axis each way; topk from FLOPs = 2 * tokens * topk * P_e
         per_expert = a.params / experts
         tokens, hidden = a.tokens_hidden
         topk = a.flops_fwd / (2.0 * tokens * per_expert) if per_expert and tokens else 1.0
-        dispatch = tokens * topk * hidden * sc.tokens * db
+        rows = tokens * topk * sc.tokens
+        dispatch = rows * hidden * db
     if a.kind == "loss":  # fp32 per-token statistics (max, sum of exponentials, target logit)
         out_bytes = a.tokens * sc.tokens * 4.0
     return LayerOp(
@@ -439,7 +440,7 @@ def _to_layer_op(a: _Acc, sc: _Scale, *, heads: tuple[int, int, int] | None, exp
         flops_fwd=a.flops_fwd * sc.tokens + a.attn_flops_fwd * sc.attention,
         flops_bwd=a.flops_bwd * sc.tokens + a.attn_flops_bwd * sc.attention,
         bytes_fwd=(a.act_elems * sc.tokens + a.weight_elems) * db,
-        out_bytes=out_bytes, dispatch_bytes=dispatch,
+        out_bytes=out_bytes, dispatch_bytes=dispatch, dispatch_rows=rows,
         saved_bytes=a.saved_elems * sc.tokens * 2.0,  # measured bytes (bf16-sized units), whatever the trace dtype
         params=int(a.params), param_bytes=float(a.params) * db, shard_dims=shard_dims,
         op_class=a.op_class if a.op_class != "other" else "elementwise",

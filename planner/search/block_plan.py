@@ -136,6 +136,10 @@ def edge_collectives(src: OpStrategy, dst: OpStrategy, index: int, nbytes: float
     reaching the producer's layout is a local slice."""
     fwd = forward_conversion(src.out_layout, dst.in_layouts[index], nbytes, at_block_boundary=into_output,
                              consumer_gathers=dst.gathers_sequence)
+    if fwd and src.style == "vocab_embedding" and dst.in_layouts[index] == "S_seq":
+        # runtime.tensor_parallel: the vocab-parallel embedding reduces to Replicate (the model computes positions
+        # from the whole sequence) and the first sequence-parallel layer slices it: an all-reduce, not a scatter
+        fwd = conversion("P", "R", nbytes)
     grad = dst.grad_layouts[index]
     if copies > 1 and grad == "P":
         bwd = conversion("P", "R", nbytes) * copies + conversion("R", dual(src.out_layout), nbytes)
@@ -395,8 +399,9 @@ def block_strategy(block, *, graph, tp: int, cp: int = 1, ep: int = 1, microbatc
         raise ConfigError(f"cp={cp} does not divide seq={seq}; choose cp in "
                           f"{[d for d in range(1, seq + 1) if seq % d == 0 and d <= 64]}")
     options = options or intra_op.SolverOptions()
-    mesh = MeshShape(tp=tp, cp=cp, ep=ep, sequence_parallel=bool(sequence_parallel and tp > 1))
     gpu = device if device is not None else cluster.node_type_of_rank(first_rank).gpu
+    mesh = MeshShape(tp=tp, cp=cp, ep=ep, sequence_parallel=bool(sequence_parallel and tp > 1),
+                     backend="gloo" if gpu.kind == "cpu" else "nccl")  # runtime.mesh.init_distributed's choice
     key = (getattr(block, "signature", None) or block.name, mesh, microbatch, seq, recompute, gpu.name, dtype,
            _cluster_key(cluster), first_rank, mem_budget_bytes, state_bytes_per_param, activation_multiplier,
            options, cost)

@@ -34,7 +34,8 @@ entry applied to the op's modules):
     matmul     replicate                               a matmul of two activations (attention written with
                                                        matmul + softmax): no head count to split by
     experts    replicate (ep = 1), expert (ep > 1)     experts sharded over the ep axis, all-to-all dispatch
-                                                       and combine, forward and backward; tokens enter
+                                                       and combine, forward and backward, after the routing
+                                                       all-to-alls (row counts, expert ids); tokens enter
                                                        replicated over tp (no style runs an experts module on
                                                        sequence-sharded tokens)
     input / output  R, or S_seq with sequence parallelism   every block boundary has the same layout
@@ -55,13 +56,16 @@ so their input gradient is all-reduced once.
 Batch sharding is not offered on the tp axis: splitting the batch is the data-parallel axis (dp x ep ranks),
 chosen by the stage search, and no SHARDING_STYLES entry / torch TP style switches a module between batch
 and feature sharding inside a block. Context parallelism (``cp > 1``) splits every op's tokens over the cp
-axis; attention gathers K/V over the cp group forward and reduce-scatters dK/dV backward (ring attention).
+axis; attention gathers K/V over the cp group in the forward, keeps them, and reduces dK/dV to each rank's slice
+in the backward (``_cp_collectives``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import Callable, Literal
+
+from costmodel.collectives import ROUTING_INDEX_BYTES
 
 Layout = Literal["R", "S_seq", "S_hid", "P"]
 OpKind = Literal[
@@ -98,6 +102,8 @@ class LayerOp:
     """``planner.graph`` op class (matmul, attention, norm, ...) for the compute cost model."""
     dispatch_bytes: float = 0.0
     """Experts: bytes one all-to-all moves (tokens * topk * hidden * dtype bytes)."""
+    dispatch_rows: float = 0.0
+    """Experts: (token, expert) rows one rank dispatches (tokens * topk)."""
     mnk: tuple[int, ...] = ()
     """Matmul shape ``(m, n, k)`` (tokens, output features summed over the group, input features)."""
     param_bytes: float = 0.0
@@ -147,6 +153,9 @@ class MeshShape:
     cp: int = 1
     ep: int = 1
     sequence_parallel: bool = False
+    backend: str = "nccl"
+    """The collective backend the runtime runs on these devices (``runtime.mesh.init_distributed``: NCCL on GPUs,
+    gloo on CPUs): it decides how context parallelism reduces the K / V gradient (``_cp_collectives``)."""
 
 
 def dual(layout: Layout) -> Layout:
@@ -236,14 +245,16 @@ def _attention(op: LayerOp, mesh: MeshShape) -> list[OpStrategy]:
 
 
 def _cp_collectives(op: LayerOp, mesh: MeshShape) -> tuple[tuple[Collective, ...], tuple[Collective, ...]]:
-    """Ring attention over cp: K and V (2 of the 3 inputs' bytes) gathered forward, dK/dV reduce-scattered."""
+    """All-gather context parallelism as ``runtime.context_parallel`` runs it (Llama 3, Dubey et al. 2024,
+    Sec. 3.3.2): K and V (2 of the 3 inputs' bytes) gathered once in the forward and kept for the backward, their
+    gradients reduced to this rank's slice: a reduce-scatter on NCCL, an all-reduce (and a local slice) on gloo,
+    whose reduce-scatter is several times slower than its all-reduce."""
     if mesh.cp == 1:
         return (), ()
     kv_bytes = 2.0 * op.out_bytes * (op.shard_dims[1] / op.shard_dims[0] if op.shard_dims else 1.0)
-    return (Collective(kind="all_gather", nbytes=kv_bytes, axis="cp"),), (
-        Collective(kind="all_gather", nbytes=kv_bytes, axis="cp"),
-        Collective(kind="reduce_scatter", nbytes=kv_bytes, axis="cp"),
-    )
+    reduce: CollectiveKind = "all_reduce" if mesh.backend == "gloo" else "reduce_scatter"
+    return ((Collective(kind="all_gather", nbytes=kv_bytes, axis="cp"),),
+            (Collective(kind=reduce, nbytes=kv_bytes, axis="cp"),))
 
 
 def _scale_comm(s: OpStrategy, frac: float) -> OpStrategy:
@@ -311,12 +322,16 @@ def _loss(op: LayerOp, mesh: MeshShape) -> list[OpStrategy]:
 def _experts(op: LayerOp, mesh: MeshShape) -> list[OpStrategy]:
     if mesh.ep == 1:
         return [_same("replicate", "replicate", "R", len(op.inputs), 1.0)]
-    # Dispatch and combine all-to-alls over ep, forward and backward.
+    # Dispatch and combine all-to-alls over ep, forward and backward; in the forward also the routing
+    # (runtime/expert_parallel.py): the rows this rank sends to each ep rank (one int64 per rank), then the local
+    # expert id of every row it sends (one int64 per row).
     a2a = tuple(Collective(kind="all_to_all", nbytes=op.dispatch_bytes, axis="ep") for _ in range(2))
+    routing = (Collective(kind="all_to_all", nbytes=mesh.ep * ROUTING_INDEX_BYTES, axis="ep"),
+               Collective(kind="all_to_all", nbytes=op.dispatch_rows * ROUTING_INDEX_BYTES, axis="ep"))
     # Tokens enter replicated over tp: SequenceParallel (norms, dropout) is the only style that runs a module on
     # sequence-sharded tokens with replicated weights, so a sequence-sharded experts module is not offered.
-    return [_same("expert", "expert", "R", len(op.inputs), 1.0, param_fraction=1 / mesh.ep, comm_fwd=a2a,
-                  comm_bwd=a2a)]
+    return [_same("expert", "expert", "R", len(op.inputs), 1.0, param_fraction=1 / mesh.ep,
+                  comm_fwd=routing + a2a, comm_bwd=a2a)]
 
 
 _RULES: dict[str, Callable[[LayerOp, MeshShape], list[OpStrategy]]] = {

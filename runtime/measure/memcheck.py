@@ -291,13 +291,14 @@ def _ep_forward_balanced(self: nn.Module, hidden_states: torch.Tensor, top_k_ind
     """``runtime.expert_parallel._ep_forward`` with the routing counts fake tensors cannot give (they are data):
     every ep rank sends and receives ``tokens x top-k / ep`` rows and each local expert takes an equal share
     (balanced routing, the load the router's auxiliary loss aims at); the same ops on the same shapes otherwise."""
-    from runtime.expert_parallel import a2a_autograd, ep_experts
+    from runtime.expert_parallel import a2a_autograd, ep_experts, exchange_counts
 
     group, ep, local_e = self._autopar_ep_group, self._autopar_ep, self._autopar_local_experts
     n, k = top_k_index.shape
     rows = n * k
     split = [rows // ep + (1 if r < rows % ep else 0) for r in range(ep)]
     send, recv = split, [split[dist.get_rank(group) if group is not None else 0]] * ep
+    exchange_counts(torch.tensor(send), group)  # issued as the runtime issues it; its (fake) answer is not data
     token = torch.arange(n, device=hidden_states.device).repeat_interleave(k)
     expert = top_k_index.reshape(-1)
     order = torch.argsort(expert, stable=True)
@@ -324,9 +325,12 @@ def _hidden_size(model: nn.Module) -> int:
 
 
 def check_rank(plan: Plan, rank: int, *, model_factory: Callable[[], nn.Module],
-               microbatches: str | int = "auto") -> RankMemory:
+               microbatches: str | int = "auto",
+               step_mode: Callable[[Any], contextlib.AbstractContextManager] | None = None) -> RankMemory:
     """Measure ``rank`` of ``plan`` (the module docstring); the default process group must not be initialised.
-    ``model_factory()`` builds the plan's model on the meta device (``cli.commands.validate.build_model_for``)."""
+    ``model_factory()`` builds the plan's model on the meta device (``cli.commands.validate.build_model_for``).
+    ``step_mode(pm)``, given the rank's ``ParallelModel``, is entered around the step and the optimizer step
+    (e.g. ``runtime.measure.comm_trace.CollectiveRecorder``: the collectives the rank issues)."""
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -345,7 +349,8 @@ def check_rank(plan: Plan, rank: int, *, model_factory: Callable[[], nn.Module],
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         mt = LiveBytes()
         on_gpu = _on_gpu(plan, rank_coords(plan, rank)["pp"])
-        with fake, mt, fsdp_comm_labels(mt), _fake_runtime(fake, mt), _cuda_runtime(on_gpu):
+        with fake, mt, fsdp_comm_labels(mt), _fake_runtime(fake, mt), _cuda_runtime(on_gpu), \
+                contextlib.ExitStack() as stepping:
             with unset_fake_temporarily(), mt.phase("other", "setup"):
                 pm = apply_plan(model, plan, mesh=mesh, loss_fn=lm_loss, seed=0)
             params = list(pm.parameters())
@@ -358,6 +363,8 @@ def check_rank(plan: Plan, rank: int, *, model_factory: Callable[[], nn.Module],
             for o in opt.optimizers:
                 mt.relabel([v for st in o.state.values() for v in st.values() if isinstance(v, torch.Tensor)],
                            "optimizer")
+            if step_mode is not None:
+                stepping.enter_context(step_mode(pm))
             notes: list[str] = []
             if plan.degrees.ep > 1:
                 notes.append(f"expert routing balanced (each of ep={plan.degrees.ep} ranks gets tokens x top-k / ep "
