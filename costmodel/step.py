@@ -161,8 +161,10 @@ class _CtxKey:
                         constants=self.constants, precision=self.precision)
 
 
-@functools.lru_cache(maxsize=256)
-def _structure_cached(layers: ByIdentity, stage_layers: tuple[int, ...]) -> tuple[tuple, np.ndarray]:
+@functools.lru_cache(maxsize=64)
+def _distinct_cached(layers: ByIdentity) -> tuple[tuple, np.ndarray]:
+    """The distinct layers of a layer tuple (first seen first) and each entry's index among them: one tuple
+    per workload, whatever the cut, so the memos keyed by it (``_layer_columns``) serve every cut."""
     index: dict[tuple, int] = {}
     uniques, ids = [], []
     for layer in layers.obj:
@@ -171,11 +173,19 @@ def _structure_cached(layers: ByIdentity, stage_layers: tuple[int, ...]) -> tupl
             index[key] = len(uniques)
             uniques.append(layer)
         ids.append(index[key])
+    out = np.asarray(ids, dtype=np.int64)
+    out.setflags(write=False)
+    return tuple(uniques), out
+
+
+@functools.lru_cache(maxsize=256)
+def _structure_cached(layers: ByIdentity, stage_layers: tuple[int, ...]) -> tuple[tuple, np.ndarray]:
+    uniques, ids = _distinct_cached(layers)
     owner = np.repeat(np.arange(len(stage_layers)), stage_layers)
     counts = np.zeros((len(stage_layers), len(uniques)))
-    np.add.at(counts, (owner, np.asarray(ids)), 1.0)
+    np.add.at(counts, (owner, ids), 1.0)
     counts.setflags(write=False)
-    return tuple(uniques), counts
+    return uniques, counts
 
 
 def _structure(workload: Workload, stage_layers: tuple[int, ...]) -> tuple[tuple, np.ndarray]:
@@ -214,13 +224,11 @@ def recompute_mask(workload: Workload, stage_layers: tuple[int, ...], cfg: Paral
 def _split_cached(layers: ByIdentity, stage_layers: tuple[int, ...], mask: tuple[bool, ...]
                   ) -> tuple[np.ndarray, np.ndarray]:
     uniques, counts = _structure_cached(layers, stage_layers)
-    index = {id(u): i for i, u in enumerate(uniques)}
-    keys = {_layer_key(u): i for i, u in enumerate(uniques)}
+    _, ids = _distinct_cached(layers)
     owner = np.repeat(np.arange(len(stage_layers)), stage_layers)
+    on = np.asarray(mask, dtype=bool)
     rec = np.zeros_like(counts)
-    for e, (layer, on) in enumerate(zip(layers.obj, mask)):
-        if on:
-            rec[owner[e], index.get(id(layer), keys[_layer_key(layer)])] += 1.0
+    np.add.at(rec, (owner[on], ids[on]), 1.0)
     plain = counts - rec
     for a in (plain, rec):
         a.setflags(write=False)
@@ -295,13 +303,15 @@ def _chunk_cached(ctx_key: _CtxKey, stage_layers: tuple[int, ...], mask: tuple[b
     out: dict[str, np.ndarray] = {}
     for counts, key in parts:
         names, cols = _layer_columns(ByIdentity(uniques), key)
-        table = counts @ cols.T  # (chunks, columns)
+        table = (counts @ cols.T).T  # (columns, chunks)
+        # the _MAX_COLUMNS take the largest of the distinct layers the chunk holds (all at once: (max columns, chunks))
+        at = [i for i, n in enumerate(names) if n in _MAX_COLUMNS]
+        largest = dict(zip(at, np.where(counts[None, :, :] > 0, cols[at][:, None, :], 0.0).max(axis=2)))
         for i, n in enumerate(names):
-            if n in _MAX_COLUMNS:  # the largest of the distinct layers the chunk holds
-                col = np.where(counts > 0, cols[i][None, :], 0.0).max(axis=1)
-                out[n] = np.maximum(out[n], col) if n in out else col
+            if i in largest:
+                out[n] = np.maximum(out[n], largest[i]) if n in out else largest[i]
             else:
-                out[n] = out[n] + table[:, i] if n in out else table[:, i]
+                out[n] = out[n] + table[i] if n in out else table[i]
     for a in out.values():
         a.setflags(write=False)
     return out
@@ -397,8 +407,13 @@ def dp_collectives(*, params: float, expert_params: float, bytes_per_param: floa
 def _tp_sharded(workload: Workload, cfg: ParallelConfig, dense_per_device: float) -> bool:
     """Whether tensor parallelism splits any dense parameter (``dense_per_device``: the devices' dense parameters
     summed over pipeline ranks, below the model's): the runtime's parameters are then DTensors."""
-    full = sum(layer.params - layer.expert_params for layer in workload.layers)
-    return cfg.tp > 1 and dense_per_device < full * (1.0 - 1e-9)
+    return cfg.tp > 1 and dense_per_device < _dense_params(ByIdentity(workload.layers)) * (1.0 - 1e-9)
+
+
+@functools.lru_cache(maxsize=64)
+def _dense_params(layers: ByIdentity) -> float:
+    """The model's dense (non-expert) parameters (memoized per layer tuple)."""
+    return sum(layer.params - layer.expert_params for layer in layers.obj)
 
 
 def ddp_buckets(nbytes: float, k: StepConstants) -> int:
@@ -522,16 +537,22 @@ def _pipeline_traffic_slowdown(workload: Workload, cfg: ParallelConfig, parts: t
     pipeline, on the last rank, or on clusters of several node groups."""
     if cfg.pp == 1 or cfg.dp * cfg.cp == 1 or rank == cfg.pp - 1 or len(parts) != 1 or len(parts[0].groups) != 1:
         return 1.0
-    cluster = parts[0]
-    stride = cfg.tp * cfg.cp * cfg.dp
-    first = rank * stride
     send = p2p_boundary_bytes(workload, mb=cfg.microbatch, tp=cfg.tp, cp=cfg.cp,
                               sp=cfg.sequence_parallel and cfg.tp > 1, k=k)
     op = "all_reduce" if cfg.zero_stage == 0 else "reduce_scatter"
-    grads = Collective(op=op, nbytes=dense * workload.dtype_bytes, group=Group(size=cfg.dp * cfg.cp, stride=cfg.tp),
-                       first_rank=first)
-    sends = Collective(op="send_recv", nbytes=cfg.virtual_stages * send, group=Group(size=2, stride=stride),
-                       first_rank=first)
+    return _traffic_slowdown_cached(ByIdentity(parts[0]), op, dense * workload.dtype_bytes, cfg.virtual_stages * send,
+                                    tp=cfg.tp, cp=cfg.cp, dp=cfg.dp, rank=rank)
+
+
+@functools.lru_cache(maxsize=16384)
+def _traffic_slowdown_cached(cluster_id: ByIdentity, op: str, grad_bytes: float, send_bytes: float, *, tp: int,
+                             cp: int, dp: int, rank: int) -> float:
+    """``_pipeline_traffic_slowdown`` past its trivial cases (pure: memoized, the cluster by identity)."""
+    cluster = cluster_id.obj
+    stride = tp * cp * dp
+    first = rank * stride
+    grads = Collective(op=op, nbytes=grad_bytes, group=Group(size=dp * cp, stride=tp), first_rank=first)
+    sends = Collective(op="send_recv", nbytes=send_bytes, group=Group(size=2, stride=stride), first_rank=first)
     if grads.nbytes <= 0 or first + stride >= cluster.num_devices:
         return 1.0
     alone = collective_time_s(grads.op, grads.nbytes, grads.group, cluster, first_rank=first).time_s
@@ -820,7 +841,7 @@ def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_l
     if stage_layers is None:
         stage_layers = even_stage_layers(workload, chunks)
     else:
-        stage_layers = tuple(int(x) for x in stage_layers)
+        stage_layers = tuple(map(int, stage_layers))
         check_stage_layers(stage_layers, workload, chunks)
     check_recompute_layers(cfg, workload, stage_layers)
     mask = recompute_mask(workload, stage_layers, cfg)
@@ -844,12 +865,12 @@ def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_l
     terms, totals = _memory(workload, cfg, pipe["chunks"], dense, expert, m, mc, gpu, target)
     worst = int(np.argmax(totals))
     worst_mem = mem.MemoryEstimate(terms={key: float(val[worst]) for key, val in terms.items()})
-    part_gb = [min(g.node.gpu.memory_bytes for g in part.groups) / mem.GB for part in clusters]
+    part_gb = [_least_memory_bytes(ByIdentity(part)) / mem.GB for part in clusters]
     limits_gb = tuple(part_gb[_class_of(classes, r)] for r in range(cfg.pp))
     fits = all(t / mem.GB <= lim for t, lim in zip(totals.tolist(), limits_gb))  # each rank within its own
     model_f, hw_f = _flops(workload, stage_layers, cfg, mask)
     n = cluster.num_devices
-    peak = sum(g.node.gpu.tflops("bf16") * g.node.gpus_per_node * g.count for g in cluster.groups)
+    peak = _peak_tflops(ByIdentity(cluster))
     return StepEstimate(
         step_time_s=step_s,
         tokens_per_s=cfg.global_batch * workload.seq / step_s,
@@ -873,6 +894,18 @@ def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_l
         pipeline_s=float(pipe["total_s"]),
         stage_rest_s=dp["rest_s"],
     )
+
+
+@functools.lru_cache(maxsize=256)
+def _least_memory_bytes(cluster_id: ByIdentity) -> float:
+    """The least device memory of a (part of a) cluster (memoized, the cluster by identity)."""
+    return min(g.node.gpu.memory_bytes for g in cluster_id.obj.groups)
+
+
+@functools.lru_cache(maxsize=256)
+def _peak_tflops(cluster_id: ByIdentity) -> float:
+    """The cluster's summed dense bf16 peak TFLOP/s (memoized, the cluster by identity)."""
+    return sum(g.node.gpu.tflops("bf16") * g.node.gpus_per_node * g.count for g in cluster_id.obj.groups)
 
 
 def _virtual_choices(workload: Workload, cfg: ParallelConfig, stage_layers) -> list[int]:

@@ -213,23 +213,31 @@ def chunk_counts(costs: RankCosts, per_rank: Sequence[int], v: int) -> list[int]
     """Transformer layers per chunk: each rank's layers water-filled over its chunks (the first least loaded
     chunk takes the next layer), which minimises the rank's largest chunk."""
     pp = costs.pp
-    chunks = pp * v
     if v == 1:
         return list(per_rank)
-    lows = chunk_lows(costs.layout, chunks)
+    lows = chunk_lows(costs.layout, pp * v)
     counts = list(lows)
     for r in range(pp):
-        mine = list(range(r, chunks, pp))
-        extra = per_rank[r] - sum(lows[c] for c in mine)
-        fixed = [(costs.first_s if c == 0 else 0.0) + (costs.last_s if c == chunks - 1 else 0.0) for c in mine]
-        if not any(fixed) and len({lows[c] for c in mine}) == 1:
-            q, rem = divmod(extra, v)  # equal chunks: round robin from the first
-            for i, c in enumerate(mine):
-                counts[c] += q + (1 if i < rem else 0)
-            continue
-        for _ in range(extra):
-            i = min(range(v), key=lambda i: (fixed[i] + (counts[mine[i]] + 1) * costs.layer_s[r], i))
-            counts[mine[i]] += 1
+        counts[r::pp] = _rank_fill(costs, lows, r, per_rank[r], v)
+    return counts
+
+
+def _rank_fill(costs: RankCosts, lows: Sequence[int], r: int, n: int, v: int) -> list[int]:
+    """``chunk_counts`` of rank ``r`` alone (its chunks ``r, r + pp, ...``) holding ``n`` transformer layers: a
+    rank's fill does not depend on the other ranks'."""
+    pp = costs.pp
+    chunks = pp * v
+    mine = range(r, chunks, pp)
+    counts = [lows[c] for c in mine]
+    extra = n - sum(counts)
+    fixed = [(costs.first_s if c == 0 else 0.0) + (costs.last_s if c == chunks - 1 else 0.0) for c in mine]
+    if not any(fixed) and len(set(counts)) == 1:
+        q, rem = divmod(extra, v)  # equal chunks: round robin from the first
+        return [k + q + (1 if i < rem else 0) for i, k in enumerate(counts)]
+    u = costs.layer_s[r]
+    for _ in range(extra):
+        i = min(range(v), key=lambda i: (fixed[i] + (counts[i] + 1) * u, i))
+        counts[i] += 1
     return counts
 
 
@@ -299,6 +307,7 @@ def rank_counts_below(
         fit = most if u <= 0 or not math.isfinite(room) else math.floor(room / u + _TOL)
         caps.append(min(most, max(lows[r] - 1, fit)))
     found: list[tuple[float, tuple[int, ...]]] = []
+    parts = _RankParts(costs, v)
     visited = 0
     suffix_lo = [sum(lows[r:]) for r in range(pp + 1)]
     suffix_hi = [sum(caps[r:]) for r in range(pp + 1)]
@@ -310,14 +319,16 @@ def rank_counts_below(
             return None
         if r == pp:
             if schedule == "zero-bubble" and v > 1:
-                spreads = _spreads(costs, chosen, v)
-            else:
-                spreads = [chunk_counts(costs, chosen, v)]
-            for counts in spreads:
+                for counts in _spreads(costs, chosen, v):
+                    visited += 1
+                    b = cut_bound_s(costs, counts, schedule=schedule, v=v, m=m)
+                    if b < below_s:
+                        found.append((b, tuple(counts)))
+            else:  # = cut_bound_s of chunk_counts, from each rank's own part
                 visited += 1
-                b = cut_bound_s(costs, counts, schedule=schedule, v=v, m=m)
+                b = parts.bound_s(chosen, schedule=schedule, m=m)
                 if b < below_s:
-                    found.append((b, tuple(counts)))
+                    found.append((b, parts.counts(chosen)))
             if visited > limit:
                 return None
             continue
@@ -327,3 +338,47 @@ def rank_counts_below(
             stack.append((r + 1, left - k, chosen + (k,)))
     found.sort()
     return found
+
+
+class _RankParts:
+    """``chunk_counts`` and ``cut_bound_s`` of a count vector from per-rank parts (a rank's water-fill, its time
+    and its largest chunk depend on its own count only), memoized per (rank, count): ``rank_counts_below``
+    meets each rank's count in many vectors. The same sums in the same order as ``cut_bound_s``."""
+
+    def __init__(self, costs: RankCosts, v: int) -> None:
+        self.costs, self.v = costs, v
+        self.lows = chunk_lows(costs.layout, costs.pp * v)
+        self.memo: dict[tuple[int, int], tuple[list[int], float, float]] = {}
+
+    def part(self, r: int, n: int) -> tuple[list[int], float, float]:
+        """(rank ``r``'s chunk counts, its seconds, its largest chunk's seconds) with ``n`` layers."""
+        hit = self.memo.get((r, n))
+        if hit is None:
+            c = self.costs
+            pp, v = c.pp, self.v
+            counts = [n] if v == 1 else _rank_fill(c, self.lows, r, n, v)
+            chunk_s = []
+            for i, k in enumerate(counts):
+                t = k * c.layer_s[r]
+                if r + i * pp == 0:
+                    t += c.first_s
+                if r + i * pp == pp * v - 1:
+                    t += c.last_s
+                chunk_s.append(t)
+            hit = self.memo[(r, n)] = (counts, sum(chunk_s), max(chunk_s))
+        return hit
+
+    def bound_s(self, per_rank: Sequence[int], *, schedule: str, m: int) -> float:
+        parts = [self.part(r, n) for r, n in enumerate(per_rank)]
+        rank_s = [p[1] for p in parts]
+        if len(parts) == 1:
+            return m * rank_s[0]
+        fill = 0.0 if self.v == 1 else sum(p[2] for p in parts[:-1])
+        return pipeline_form_s(schedule, m, self.v, max(rank_s), sum(rank_s), fill)
+
+    def counts(self, per_rank: Sequence[int]) -> tuple[int, ...]:
+        pp = len(per_rank)
+        out = [0] * (pp * self.v)
+        for r, n in enumerate(per_rank):
+            out[r::pp] = self.part(r, n)[0]
+        return tuple(out)
