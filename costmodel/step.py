@@ -153,6 +153,17 @@ class _CtxKey:
     flash: bool
     constants: StepConstants
     precision: str = "bf16"
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+    """The fields' hash, computed once: every memo lookup of a call hashes its keys (the constants are ~50
+    fields)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.workload, self.cluster, self.microbatch, self.tp, self.cp,
+                                                 self.ep, self.sp, self.recompute, self.flash, self.constants,
+                                                 self.precision)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def ctx(self) -> LayerCtx:
         cluster = self.cluster.obj
@@ -607,10 +618,15 @@ def _data_parallel(workload: Workload, cfg: ParallelConfig, parts: tuple[Cluster
     sharded = cfg.zero_stage >= 1
     shard = dense / (cfg.dp * cfg.cp if sharded else 1) + expert / (
         max(1, cfg.dp // cfg.ep) * cfg.cp if sharded else 1)
-    owner = [_class_of(classes, r) for r in range(cfg.pp)]
-    opt_rank = [op_time_s(flops=0.0, bytes_moved=float(shard[r]) * k.optimizer_bytes_per_param, op_class="elementwise",
-                          device=slowest_device(parts[owner[r]]), calibration=parts[owner[r]].calibration)
-                for r in range(cfg.pp)]
+    opt_memo: dict[tuple[float, int], float] = {}  # ranks that hold equal shards on equal parts: one roofline
+    opt_rank = []
+    for r, x in enumerate(shard.tolist()):
+        key = (x, _class_of(classes, r))
+        if key not in opt_memo:
+            part = parts[key[1]]
+            opt_memo[key] = op_time_s(flops=0.0, bytes_moved=x * k.optimizer_bytes_per_param, op_class="elementwise",
+                                      device=slowest_device(part), calibration=part.calibration)
+        opt_rank.append(opt_memo[key])
     return {"exposed_s": exposed, "kind": kind, "optimizer_s": max(opt_rank),
             "rest_s": tuple(e + o for e, o in zip(per_rank, opt_rank))}
 
@@ -762,10 +778,18 @@ def _flops_cached(layers: ByIdentity, stage_layers: tuple[int, ...], mask: tuple
 
 def _ctx_keys(workload: Workload, cfg: ParallelConfig, clusters: tuple[Cluster, ...],
               k: StepConstants) -> tuple[_CtxKey, ...]:
-    return tuple(_CtxKey(workload=ByIdentity(workload), cluster=ByIdentity(part), microbatch=cfg.microbatch,
-                         tp=cfg.tp, cp=cfg.cp, ep=cfg.ep, sp=cfg.sequence_parallel and cfg.tp > 1,
-                         recompute=cfg.recompute, flash=cfg.flash_attention, constants=k, precision=cfg.precision)
-                 for part in clusters)
+    return _ctx_keys_cached(ByIdentity(workload), tuple(ByIdentity(part) for part in clusters), cfg.microbatch,
+                            cfg.tp, cfg.cp, cfg.ep, cfg.sequence_parallel and cfg.tp > 1, cfg.recompute,
+                            cfg.flash_attention, ByIdentity(k), cfg.precision)
+
+
+@functools.lru_cache(maxsize=4096)
+def _ctx_keys_cached(workload: ByIdentity, parts: tuple[ByIdentity, ...], microbatch: int, tp: int, cp: int, ep: int,
+                     sp: bool, recompute: str, flash: bool, k: ByIdentity, precision: str) -> tuple[_CtxKey, ...]:
+    """One key object per layer context (memoized, the constants by identity), so the memos keyed by it hash
+    it once."""
+    return tuple(_CtxKey(workload=workload, cluster=part, microbatch=microbatch, tp=tp, cp=cp, ep=ep, sp=sp,
+                         recompute=recompute, flash=flash, constants=k.obj, precision=precision) for part in parts)
 
 
 def layer_contexts(workload: Workload, config: ParallelConfig, cluster: Cluster, *,
@@ -861,12 +885,10 @@ def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_l
         breakdown[key] = breakdown.get(key, 0.0) + dp["exposed_s"]
     breakdown["optimizer"] = dp["optimizer_s"]
     step_s = pipe["total_s"] + dp["exposed_s"] + dp["optimizer_s"]
-    gpu = np.array([slowest_device(clusters[_class_of(classes, r)]).kind == "gpu" for r in range(cfg.pp)])
+    gpu, limits_gb, stage_device = _rank_devices(ByIdentity(cluster), cfg.pp)
     terms, totals = _memory(workload, cfg, pipe["chunks"], dense, expert, m, mc, gpu, target)
     worst = int(np.argmax(totals))
     worst_mem = mem.MemoryEstimate(terms={key: float(val[worst]) for key, val in terms.items()})
-    part_gb = [_least_memory_bytes(ByIdentity(part)) / mem.GB for part in clusters]
-    limits_gb = tuple(part_gb[_class_of(classes, r)] for r in range(cfg.pp))
     fits = all(t / mem.GB <= lim for t, lim in zip(totals.tolist(), limits_gb))  # each rank within its own
     model_f, hw_f = _flops(workload, stage_layers, cfg, mask)
     n = cluster.num_devices
@@ -890,16 +912,22 @@ def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_l
         memory=worst_mem,
         memory_limit_gb=min(limits_gb),
         stage_memory_limit_gb=limits_gb,
-        stage_device=tuple(slowest_device(clusters[_class_of(classes, r)]).name for r in range(cfg.pp)),
+        stage_device=stage_device,
         pipeline_s=float(pipe["total_s"]),
         stage_rest_s=dp["rest_s"],
     )
 
 
 @functools.lru_cache(maxsize=256)
-def _least_memory_bytes(cluster_id: ByIdentity) -> float:
-    """The least device memory of a (part of a) cluster (memoized, the cluster by identity)."""
-    return min(g.node.gpu.memory_bytes for g in cluster_id.obj.groups)
+def _rank_devices(cluster_id: ByIdentity, pp: int) -> tuple[np.ndarray, tuple[float, ...], tuple[str, ...]]:
+    """Per pipeline rank: whether its device is a GPU, the device memory of its node groups (GB) and the
+    accelerator its stage is priced on (memoized, the cluster by identity)."""
+    clusters, classes = rank_clusters(cluster_id.obj, pp)
+    devices = [slowest_device(clusters[_class_of(classes, r)]) for r in range(pp)]
+    gpu = np.array([d.kind == "gpu" for d in devices])
+    gpu.setflags(write=False)
+    part_gb = [min(g.node.gpu.memory_bytes for g in part.groups) / mem.GB for part in clusters]
+    return gpu, tuple(part_gb[_class_of(classes, r)] for r in range(pp)), tuple(d.name for d in devices)
 
 
 @functools.lru_cache(maxsize=256)

@@ -318,17 +318,12 @@ def rank_counts_below(
         if visited > limit:
             return None
         if r == pp:
-            if schedule == "zero-bubble" and v > 1:
-                for counts in _spreads(costs, chosen, v):
-                    visited += 1
-                    b = cut_bound_s(costs, counts, schedule=schedule, v=v, m=m)
-                    if b < below_s:
-                        found.append((b, tuple(counts)))
-            else:  # = cut_bound_s of chunk_counts, from each rank's own part
+            # cut_bound_s of chunk_counts (of each of _spreads for zero-bubble), from each rank's own part
+            for first in (parts.spreads(chosen[0]) if schedule == "zero-bubble" and v > 1 else (None,)):
                 visited += 1
-                b = parts.bound_s(chosen, schedule=schedule, m=m)
+                b = parts.bound_s(chosen, schedule=schedule, m=m, first=first)
                 if b < below_s:
-                    found.append((b, parts.counts(chosen)))
+                    found.append((b, parts.counts(chosen, first=first)))
             if visited > limit:
                 return None
             continue
@@ -341,44 +336,67 @@ def rank_counts_below(
 
 
 class _RankParts:
-    """``chunk_counts`` and ``cut_bound_s`` of a count vector from per-rank parts (a rank's water-fill, its time
-    and its largest chunk depend on its own count only), memoized per (rank, count): ``rank_counts_below``
-    meets each rank's count in many vectors. The same sums in the same order as ``cut_bound_s``."""
+    """``chunk_counts`` and ``cut_bound_s`` of a count vector (of each of its ``_spreads``) from per-rank parts:
+    a rank's water-fill, its time and its largest chunk depend on its own count only (rank 0's spreads on
+    rank 0's), memoized per (rank, count): ``rank_counts_below`` meets each rank's count in many vectors. The
+    same sums in the same order as ``cut_bound_s``."""
 
     def __init__(self, costs: RankCosts, v: int) -> None:
         self.costs, self.v = costs, v
         self.lows = chunk_lows(costs.layout, costs.pp * v)
         self.memo: dict[tuple[int, int], tuple[list[int], float, float]] = {}
+        self.spread_memo: dict[int, list[tuple[list[int], float, float]]] = {}
+
+    def _of(self, r: int, counts: list[int]) -> tuple[list[int], float, float]:
+        """(rank ``r``'s chunk counts, its seconds, its largest chunk's seconds)."""
+        c, pp, last = self.costs, self.costs.pp, self.costs.pp * self.v - 1
+        chunk_s = []
+        for i, k in enumerate(counts):
+            t = k * c.layer_s[r]
+            if r + i * pp == 0:
+                t += c.first_s
+            if r + i * pp == last:
+                t += c.last_s
+            chunk_s.append(t)
+        return counts, sum(chunk_s), max(chunk_s)
 
     def part(self, r: int, n: int) -> tuple[list[int], float, float]:
-        """(rank ``r``'s chunk counts, its seconds, its largest chunk's seconds) with ``n`` layers."""
+        """Rank ``r``'s part with ``n`` layers water-filled over its chunks."""
         hit = self.memo.get((r, n))
         if hit is None:
-            c = self.costs
-            pp, v = c.pp, self.v
-            counts = [n] if v == 1 else _rank_fill(c, self.lows, r, n, v)
-            chunk_s = []
-            for i, k in enumerate(counts):
-                t = k * c.layer_s[r]
-                if r + i * pp == 0:
-                    t += c.first_s
-                if r + i * pp == pp * v - 1:
-                    t += c.last_s
-                chunk_s.append(t)
-            hit = self.memo[(r, n)] = (counts, sum(chunk_s), max(chunk_s))
+            counts = [n] if self.v == 1 else _rank_fill(self.costs, self.lows, r, n, self.v)
+            hit = self.memo[(r, n)] = self._of(r, counts)
         return hit
 
-    def bound_s(self, per_rank: Sequence[int], *, schedule: str, m: int) -> float:
-        parts = [self.part(r, n) for r, n in enumerate(per_rank)]
+    def spreads(self, n0: int) -> list[tuple[list[int], float, float]]:
+        """Rank 0's parts in ``_spreads`` with ``n0`` layers: each count beside the embedding, the rest balanced."""
+        hit = self.spread_memo.get(n0)
+        if hit is None:
+            pp, lows = self.costs.pp, self.lows
+            others = list(range(pp, pp * self.v, pp))
+            rest = sum(lows[c] for c in others)
+            hit = []
+            for k0 in range(lows[0], n0 - rest + 1):
+                q, rem = divmod(n0 - k0 - rest, len(others))
+                hit.append(self._of(0, [k0] + [lows[c] + q + (1 if i < rem else 0) for i, c in enumerate(others)]))
+            self.spread_memo[n0] = hit
+        return hit
+
+    def _parts(self, per_rank: Sequence[int], first) -> list[tuple[list[int], float, float]]:
+        return [first if r == 0 and first is not None else self.part(r, n) for r, n in enumerate(per_rank)]
+
+    def bound_s(self, per_rank: Sequence[int], *, schedule: str, m: int, first=None) -> float:
+        """``cut_bound_s`` of the chunk counts (rank 0's part ``first`` when given)."""
+        parts = self._parts(per_rank, first)
         rank_s = [p[1] for p in parts]
         if len(parts) == 1:
             return m * rank_s[0]
         fill = 0.0 if self.v == 1 else sum(p[2] for p in parts[:-1])
         return pipeline_form_s(schedule, m, self.v, max(rank_s), sum(rank_s), fill)
 
-    def counts(self, per_rank: Sequence[int]) -> tuple[int, ...]:
+    def counts(self, per_rank: Sequence[int], first=None) -> tuple[int, ...]:
         pp = len(per_rank)
         out = [0] * (pp * self.v)
-        for r, n in enumerate(per_rank):
-            out[r::pp] = self.part(r, n)[0]
+        for r, p in enumerate(self._parts(per_rank, first)):
+            out[r::pp] = p[0]
         return tuple(out)
