@@ -354,8 +354,14 @@ def _p2p_s(workload: Workload, cluster: Cluster, *, pp: int, mb: int, tp: int, c
 
 def _per_rank(a: np.ndarray, v: int, pp: int, how: str = "sum") -> np.ndarray:
     """A per-chunk array folded onto the pipeline ranks (chunk ``c`` runs on rank ``c % pp``)."""
-    grid = np.asarray(a).reshape(v, pp)
-    out = grid.max(axis=0) if how == "max" else grid.sum(axis=0)
+    a = np.asarray(a)
+    if v == 1 and a.ndim == 1 and a.dtype == np.float64:  # one chunk per rank: a reduction over one row is the row
+        if not a.flags.writeable:
+            return a
+        out = a.copy()
+    else:
+        grid = a.reshape(v, pp)
+        out = grid.max(axis=0) if how == "max" else grid.sum(axis=0)
     out.setflags(write=False)
     return out
 
@@ -552,11 +558,11 @@ def _pipeline_traffic_slowdown(workload: Workload, cfg: ParallelConfig, parts: t
                               sp=cfg.sequence_parallel and cfg.tp > 1, k=k)
     op = "all_reduce" if cfg.zero_stage == 0 else "reduce_scatter"
     return _traffic_slowdown_cached(ByIdentity(parts[0]), op, dense * workload.dtype_bytes, cfg.virtual_stages * send,
-                                    tp=cfg.tp, cp=cfg.cp, dp=cfg.dp, rank=rank)
+                                    cfg.tp, cfg.cp, cfg.dp, rank)
 
 
 @functools.lru_cache(maxsize=16384)
-def _traffic_slowdown_cached(cluster_id: ByIdentity, op: str, grad_bytes: float, send_bytes: float, *, tp: int,
+def _traffic_slowdown_cached(cluster_id: ByIdentity, op: str, grad_bytes: float, send_bytes: float, tp: int,
                              cp: int, dp: int, rank: int) -> float:
     """``_pipeline_traffic_slowdown`` past its trivial cases (pure: memoized, the cluster by identity)."""
     cluster = cluster_id.obj
