@@ -442,7 +442,15 @@ def algorithm_times_s(op: str, nbytes: float, group: Group, cluster: Cluster, *,
 
 
 def _best_plan(op: str, nbytes: float, placement: Placement, links: _Links, eff: CommEfficiency) -> _Plan:
-    return min(_plans(op, nbytes, placement, links, eff), key=lambda plan: plan.time_s())
+    """The fastest algorithm (memoized, the geometry and efficiency by identity: ``collective_time_s`` and
+    ``concurrent_times_s`` ask for the same collectives' plans)."""
+    return _best_plan_cached(op, nbytes, type(nbytes), ByIdentity(placement), ByIdentity(links), ByIdentity(eff))
+
+
+@functools.lru_cache(maxsize=16384)
+def _best_plan_cached(op: str, nbytes: float, nbytes_type: type, placement: ByIdentity, links: ByIdentity,
+                      eff: ByIdentity) -> _Plan:
+    return min(_plans(op, nbytes, placement.obj, links.obj, eff.obj), key=lambda plan: plan.time_s())
 
 
 def _geometry(size: int, stride: int, first_rank: int, cluster: Cluster, eff: CommEfficiency) -> tuple[Placement, _Links]:
