@@ -442,7 +442,15 @@ def algorithm_times_s(op: str, nbytes: float, group: Group, cluster: Cluster, *,
 
 
 def _best_plan(op: str, nbytes: float, placement: Placement, links: _Links, eff: CommEfficiency) -> _Plan:
-    return min(_plans(op, nbytes, placement, links, eff), key=lambda plan: plan.time_s())
+    """The fastest algorithm (memoized, the geometry and efficiency by identity: ``collective_time_s`` and
+    ``concurrent_times_s`` ask for the same collectives' plans)."""
+    return _best_plan_cached(op, nbytes, type(nbytes), ByIdentity(placement), ByIdentity(links), ByIdentity(eff))
+
+
+@functools.lru_cache(maxsize=16384)
+def _best_plan_cached(op: str, nbytes: float, nbytes_type: type, placement: ByIdentity, links: ByIdentity,
+                      eff: ByIdentity) -> _Plan:
+    return min(_plans(op, nbytes, placement.obj, links.obj, eff.obj), key=lambda plan: plan.time_s())
 
 
 def _geometry(size: int, stride: int, first_rank: int, cluster: Cluster, eff: CommEfficiency) -> tuple[Placement, _Links]:
@@ -477,23 +485,36 @@ def _concurrent_cached(collectives: tuple[Collective, ...], cluster_id: ByIdenti
     eff = efficiency or DEFAULT_EFFICIENCY
     alone = [collective_time_s(c.op, c.nbytes, c.group, cluster, first_rank=c.first_rank, efficiency=efficiency)
              for c in collectives]
-    demands: list[dict[tuple[str, int], float]] = []
+    busy: list[dict[str, float]] = []  # per collective: its busy seconds per resource of each member rank
     latency: list[float] = []
     for c, cost in zip(collectives, alone):
         plan = _plan_of(c, cluster, eff, cost)
         if plan is None:  # calibrated, trivial: not shared
-            demands.append({})
+            busy.append({})
             latency.append(cost.time_s)
             continue
-        ranks = [c.first_rank + k * c.group.stride for k in range(c.group.size)]
-        demands.append({(res, r): busy for res, busy in plan.busy_s().items() for r in ranks})
+        busy.append(plan.busy_s())
         latency.append(plan.latency_s)
+    members = [frozenset(c.first_rank + k * c.group.stride for k in range(c.group.size)) for c in collectives]
     out = []
     for i, (c, cost) in enumerate(zip(collectives, alone)):
-        shared = [sum(min(d[key], di) for d in demands if key in d) for key, di in demands[i].items()]
+        shared = [sum(min(busy[j][res], di) for j in holders)
+                  for res, di in busy[i].items() for holders in _holders(i, res, busy, members)]
         time_s = max(cost.time_s, latency[i] + max(shared, default=0.0))
         out.append(_cost(c.op, c.nbytes, c.group.size, time_s, cost.link_kind, cost.algorithm))
     return tuple(out)
+
+
+def _holders(i: int, res: str, busy: list[dict[str, float]], members: list[frozenset[int]]) -> set[tuple[int, ...]]:
+    """The distinct sets (in order) of collectives busy on ``res`` of one of collective ``i``'s member ranks:
+    rank by rank, whom that rank's resource is shared with. Ranks that only ``i`` uses there share it with
+    none; only the ranks ``i`` has in common with another collective on ``res`` are looked at one by one."""
+    on = [j for j in range(len(busy)) if res in busy[j]]
+    common = set().union(*(members[i] & members[j] for j in on if j != i))
+    out = {tuple(j for j in on if r in members[j]) for r in common}
+    if len(common) < len(members[i]):
+        out.add((i,))
+    return out
 
 
 def _plan_of(c: Collective, cluster: Cluster, eff: CommEfficiency, cost: CommCost) -> _Plan | None:

@@ -18,8 +18,14 @@ __all__ = ["rank_clusters", "slowest_device"]
 
 
 def slowest_device(cluster: Cluster) -> Accelerator:
-    """The slowest accelerator of a (part of a) cluster paces what runs on all its devices."""
-    return min((g.node.gpu for g in cluster.groups), key=lambda a: a.tflops("bf16"))
+    """The slowest accelerator of a (part of a) cluster paces what runs on all its devices (memoized, the
+    cluster by identity: the step model asks per pipeline rank of every estimate)."""
+    return _slowest_cached(ByIdentity(cluster))
+
+
+@functools.lru_cache(maxsize=256)
+def _slowest_cached(cluster: ByIdentity) -> Accelerator:
+    return min((g.node.gpu for g in cluster.obj.groups), key=lambda a: a.tflops("bf16"))
 
 
 def rank_clusters(cluster: Cluster, pp: int) -> tuple[tuple[Cluster, ...], tuple[int, ...]]:

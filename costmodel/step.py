@@ -27,12 +27,13 @@
    against that rank's own device memory; model states in the target's layout (``[memory.*]``) plus the
    precision's quantized weight copies.
 
-Speed: the per-workload structure (distinct layers and their count per chunk) is memoized by the identity of
-the immutable ``workload.layers`` tuple. The pure pieces of a call are memoized too (``functools.lru_cache`` on
-hashable keys, the workload and cluster by identity): the per-chunk layer table per layer context (micro-batch,
-tp, cp, ep, sp, recomputation, flash) and cut, the pipeline time per (schedule, pp, v, micro-batches, dp), the
-data-parallel collectives per rank's parameters, the FLOPs. Cached arrays are read-only. A planner run on
-Llama-3 70B (4721 calls) costs ~0.3 ms CPU per call (0.6 ms without these memos).
+Speed: the per-workload structure (distinct layers, one tuple per layer tuple whatever the cut, and their count
+per chunk) is memoized by the identity of the immutable ``workload.layers`` tuple. The pure pieces of a call are
+memoized too (``functools.lru_cache`` on hashable keys, the workload and cluster by identity): the layer table per
+layer context (micro-batch, tp, cp, ep, sp, recomputation, flash; one key object per context), the per-chunk sums
+per context and cut, the pipeline time per (schedule, pp, v, micro-batches, dp), the data-parallel collectives and
+the concurrent-traffic slowdown per rank's parameters, the FLOPs, the per-rank devices. Cached arrays are
+read-only. The GPT-3 175B search on 1,024 A100s (9,367 calls) costs ~1 ms CPU per call on the 2-core machine.
 
 FLOPs: ``model_tflops_per_gpu`` counts forward + backward of the workload (6N + attention, SC21 Eq. 3's 72 form
 for GPT); ``hw_tflops_per_gpu`` adds what recomputation re-runs (the 96 form with full recomputation), the
@@ -153,6 +154,17 @@ class _CtxKey:
     flash: bool
     constants: StepConstants
     precision: str = "bf16"
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+    """The fields' hash, computed once: every memo lookup of a call hashes its keys (the constants are ~50
+    fields)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.workload, self.cluster, self.microbatch, self.tp, self.cp,
+                                                 self.ep, self.sp, self.recompute, self.flash, self.constants,
+                                                 self.precision)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def ctx(self) -> LayerCtx:
         cluster = self.cluster.obj
@@ -161,8 +173,10 @@ class _CtxKey:
                         constants=self.constants, precision=self.precision)
 
 
-@functools.lru_cache(maxsize=256)
-def _structure_cached(layers: ByIdentity, stage_layers: tuple[int, ...]) -> tuple[tuple, np.ndarray]:
+@functools.lru_cache(maxsize=64)
+def _distinct_cached(layers: ByIdentity) -> tuple[tuple, np.ndarray]:
+    """The distinct layers of a layer tuple (first seen first) and each entry's index among them: one tuple
+    per workload, whatever the cut, so the memos keyed by it (``_layer_columns``) serve every cut."""
     index: dict[tuple, int] = {}
     uniques, ids = [], []
     for layer in layers.obj:
@@ -171,11 +185,19 @@ def _structure_cached(layers: ByIdentity, stage_layers: tuple[int, ...]) -> tupl
             index[key] = len(uniques)
             uniques.append(layer)
         ids.append(index[key])
+    out = np.asarray(ids, dtype=np.int64)
+    out.setflags(write=False)
+    return tuple(uniques), out
+
+
+@functools.lru_cache(maxsize=256)
+def _structure_cached(layers: ByIdentity, stage_layers: tuple[int, ...]) -> tuple[tuple, np.ndarray]:
+    uniques, ids = _distinct_cached(layers)
     owner = np.repeat(np.arange(len(stage_layers)), stage_layers)
     counts = np.zeros((len(stage_layers), len(uniques)))
-    np.add.at(counts, (owner, np.asarray(ids)), 1.0)
+    np.add.at(counts, (owner, ids), 1.0)
     counts.setflags(write=False)
-    return tuple(uniques), counts
+    return uniques, counts
 
 
 def _structure(workload: Workload, stage_layers: tuple[int, ...]) -> tuple[tuple, np.ndarray]:
@@ -214,13 +236,11 @@ def recompute_mask(workload: Workload, stage_layers: tuple[int, ...], cfg: Paral
 def _split_cached(layers: ByIdentity, stage_layers: tuple[int, ...], mask: tuple[bool, ...]
                   ) -> tuple[np.ndarray, np.ndarray]:
     uniques, counts = _structure_cached(layers, stage_layers)
-    index = {id(u): i for i, u in enumerate(uniques)}
-    keys = {_layer_key(u): i for i, u in enumerate(uniques)}
+    _, ids = _distinct_cached(layers)
     owner = np.repeat(np.arange(len(stage_layers)), stage_layers)
+    on = np.asarray(mask, dtype=bool)
     rec = np.zeros_like(counts)
-    for e, (layer, on) in enumerate(zip(layers.obj, mask)):
-        if on:
-            rec[owner[e], index.get(id(layer), keys[_layer_key(layer)])] += 1.0
+    np.add.at(rec, (owner[on], ids[on]), 1.0)
     plain = counts - rec
     for a in (plain, rec):
         a.setflags(write=False)
@@ -295,13 +315,15 @@ def _chunk_cached(ctx_key: _CtxKey, stage_layers: tuple[int, ...], mask: tuple[b
     out: dict[str, np.ndarray] = {}
     for counts, key in parts:
         names, cols = _layer_columns(ByIdentity(uniques), key)
-        table = counts @ cols.T  # (chunks, columns)
+        table = (counts @ cols.T).T  # (columns, chunks)
+        # the _MAX_COLUMNS take the largest of the distinct layers the chunk holds (all at once: (max columns, chunks))
+        at = [i for i, n in enumerate(names) if n in _MAX_COLUMNS]
+        largest = dict(zip(at, np.where(counts[None, :, :] > 0, cols[at][:, None, :], 0.0).max(axis=2)))
         for i, n in enumerate(names):
-            if n in _MAX_COLUMNS:  # the largest of the distinct layers the chunk holds
-                col = np.where(counts > 0, cols[i][None, :], 0.0).max(axis=1)
-                out[n] = np.maximum(out[n], col) if n in out else col
+            if i in largest:
+                out[n] = np.maximum(out[n], largest[i]) if n in out else largest[i]
             else:
-                out[n] = out[n] + table[:, i] if n in out else table[:, i]
+                out[n] = out[n] + table[i] if n in out else table[i]
     for a in out.values():
         a.setflags(write=False)
     return out
@@ -333,8 +355,14 @@ def _p2p_s(workload: Workload, cluster: Cluster, *, pp: int, mb: int, tp: int, c
 
 def _per_rank(a: np.ndarray, v: int, pp: int, how: str = "sum") -> np.ndarray:
     """A per-chunk array folded onto the pipeline ranks (chunk ``c`` runs on rank ``c % pp``)."""
-    grid = np.asarray(a).reshape(v, pp)
-    out = grid.max(axis=0) if how == "max" else grid.sum(axis=0)
+    a = np.asarray(a)
+    if v == 1 and a.ndim == 1 and a.dtype == np.float64:  # one chunk per rank: a reduction over one row is the row
+        if not a.flags.writeable:
+            return a
+        out = a.copy()
+    else:
+        grid = a.reshape(v, pp)
+        out = grid.max(axis=0) if how == "max" else grid.sum(axis=0)
     out.setflags(write=False)
     return out
 
@@ -406,8 +434,13 @@ def _tp_sharded(workload: Workload, cfg: ParallelConfig, dense_per_device: float
     ``runtime.data_parallel.averages_by_hand``)."""
     if cfg.zero_stage == 0 and (cfg.pp > 1 or cfg.ep > 1):
         return False
-    full = sum(layer.params - layer.expert_params for layer in workload.layers)
-    return cfg.tp > 1 and dense_per_device < full * (1.0 - 1e-9)
+    return cfg.tp > 1 and dense_per_device < _dense_params(ByIdentity(workload.layers)) * (1.0 - 1e-9)
+
+
+@functools.lru_cache(maxsize=64)
+def _dense_params(layers: ByIdentity) -> float:
+    """The model's dense (non-expert) parameters (memoized per layer tuple)."""
+    return sum(layer.params - layer.expert_params for layer in layers.obj)
 
 
 def ddp_buckets(nbytes: float, k: StepConstants) -> int:
@@ -531,16 +564,22 @@ def _pipeline_traffic_slowdown(workload: Workload, cfg: ParallelConfig, parts: t
     pipeline, on the last rank, or on clusters of several node groups."""
     if cfg.pp == 1 or cfg.dp * cfg.cp == 1 or rank == cfg.pp - 1 or len(parts) != 1 or len(parts[0].groups) != 1:
         return 1.0
-    cluster = parts[0]
-    stride = cfg.tp * cfg.cp * cfg.dp
-    first = rank * stride
     send = p2p_boundary_bytes(workload, mb=cfg.microbatch, tp=cfg.tp, cp=cfg.cp,
                               sp=cfg.sequence_parallel and cfg.tp > 1, k=k)
     op = "all_reduce" if cfg.zero_stage == 0 else "reduce_scatter"
-    grads = Collective(op=op, nbytes=dense * workload.dtype_bytes, group=Group(size=cfg.dp * cfg.cp, stride=cfg.tp),
-                       first_rank=first)
-    sends = Collective(op="send_recv", nbytes=cfg.virtual_stages * send, group=Group(size=2, stride=stride),
-                       first_rank=first)
+    return _traffic_slowdown_cached(ByIdentity(parts[0]), op, dense * workload.dtype_bytes, cfg.virtual_stages * send,
+                                    cfg.tp, cfg.cp, cfg.dp, rank)
+
+
+@functools.lru_cache(maxsize=16384)
+def _traffic_slowdown_cached(cluster_id: ByIdentity, op: str, grad_bytes: float, send_bytes: float, tp: int,
+                             cp: int, dp: int, rank: int) -> float:
+    """``_pipeline_traffic_slowdown`` past its trivial cases (pure: memoized, the cluster by identity)."""
+    cluster = cluster_id.obj
+    stride = tp * cp * dp
+    first = rank * stride
+    grads = Collective(op=op, nbytes=grad_bytes, group=Group(size=dp * cp, stride=tp), first_rank=first)
+    sends = Collective(op="send_recv", nbytes=send_bytes, group=Group(size=2, stride=stride), first_rank=first)
     if grads.nbytes <= 0 or first + stride >= cluster.num_devices:
         return 1.0
     alone = collective_time_s(grads.op, grads.nbytes, grads.group, cluster, first_rank=first).time_s
@@ -595,10 +634,15 @@ def _data_parallel(workload: Workload, cfg: ParallelConfig, parts: tuple[Cluster
     sharded = cfg.zero_stage >= 1
     shard = dense / (cfg.dp * cfg.cp if sharded else 1) + expert / (
         max(1, cfg.dp // cfg.ep) * cfg.cp if sharded else 1)
-    owner = [_class_of(classes, r) for r in range(cfg.pp)]
-    opt_rank = [op_time_s(flops=0.0, bytes_moved=float(shard[r]) * k.optimizer_bytes_per_param, op_class="elementwise",
-                          device=slowest_device(parts[owner[r]]), calibration=parts[owner[r]].calibration)
-                for r in range(cfg.pp)]
+    opt_memo: dict[tuple[float, int], float] = {}  # ranks that hold equal shards on equal parts: one roofline
+    opt_rank = []
+    for r, x in enumerate(shard.tolist()):
+        key = (x, _class_of(classes, r))
+        if key not in opt_memo:
+            part = parts[key[1]]
+            opt_memo[key] = op_time_s(flops=0.0, bytes_moved=x * k.optimizer_bytes_per_param, op_class="elementwise",
+                                      device=slowest_device(part), calibration=part.calibration)
+        opt_rank.append(opt_memo[key])
     return {"exposed_s": exposed, "kind": kind, "optimizer_s": max(opt_rank),
             "rest_s": tuple(e + o for e, o in zip(per_rank, opt_rank))}
 
@@ -750,10 +794,18 @@ def _flops_cached(layers: ByIdentity, stage_layers: tuple[int, ...], mask: tuple
 
 def _ctx_keys(workload: Workload, cfg: ParallelConfig, clusters: tuple[Cluster, ...],
               k: StepConstants) -> tuple[_CtxKey, ...]:
-    return tuple(_CtxKey(workload=ByIdentity(workload), cluster=ByIdentity(part), microbatch=cfg.microbatch,
-                         tp=cfg.tp, cp=cfg.cp, ep=cfg.ep, sp=cfg.sequence_parallel and cfg.tp > 1,
-                         recompute=cfg.recompute, flash=cfg.flash_attention, constants=k, precision=cfg.precision)
-                 for part in clusters)
+    return _ctx_keys_cached(ByIdentity(workload), tuple(ByIdentity(part) for part in clusters), cfg.microbatch,
+                            cfg.tp, cfg.cp, cfg.ep, cfg.sequence_parallel and cfg.tp > 1, cfg.recompute,
+                            cfg.flash_attention, ByIdentity(k), cfg.precision)
+
+
+@functools.lru_cache(maxsize=4096)
+def _ctx_keys_cached(workload: ByIdentity, parts: tuple[ByIdentity, ...], microbatch: int, tp: int, cp: int, ep: int,
+                     sp: bool, recompute: str, flash: bool, k: ByIdentity, precision: str) -> tuple[_CtxKey, ...]:
+    """One key object per layer context (memoized, the constants by identity), so the memos keyed by it hash
+    it once."""
+    return tuple(_CtxKey(workload=workload, cluster=part, microbatch=microbatch, tp=tp, cp=cp, ep=ep, sp=sp,
+                         recompute=recompute, flash=flash, constants=k.obj, precision=precision) for part in parts)
 
 
 def layer_contexts(workload: Workload, config: ParallelConfig, cluster: Cluster, *,
@@ -829,7 +881,7 @@ def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_l
     if stage_layers is None:
         stage_layers = even_stage_layers(workload, chunks)
     else:
-        stage_layers = tuple(int(x) for x in stage_layers)
+        stage_layers = tuple(map(int, stage_layers))
         check_stage_layers(stage_layers, workload, chunks)
     check_recompute_layers(cfg, workload, stage_layers)
     mask = recompute_mask(workload, stage_layers, cfg)
@@ -849,16 +901,14 @@ def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_l
         breakdown[key] = breakdown.get(key, 0.0) + dp["exposed_s"]
     breakdown["optimizer"] = dp["optimizer_s"]
     step_s = pipe["total_s"] + dp["exposed_s"] + dp["optimizer_s"]
-    gpu = np.array([slowest_device(clusters[_class_of(classes, r)]).kind == "gpu" for r in range(cfg.pp)])
+    gpu, limits_gb, stage_device = _rank_devices(ByIdentity(cluster), cfg.pp)
     terms, totals = _memory(workload, cfg, pipe["chunks"], dense, expert, m, mc, gpu, target)
     worst = int(np.argmax(totals))
     worst_mem = mem.MemoryEstimate(terms={key: float(val[worst]) for key, val in terms.items()})
-    part_gb = [min(g.node.gpu.memory_bytes for g in part.groups) / mem.GB for part in clusters]
-    limits_gb = tuple(part_gb[_class_of(classes, r)] for r in range(cfg.pp))
     fits = all(t / mem.GB <= lim for t, lim in zip(totals.tolist(), limits_gb))  # each rank within its own
     model_f, hw_f = _flops(workload, stage_layers, cfg, mask)
     n = cluster.num_devices
-    peak = sum(g.node.gpu.tflops("bf16") * g.node.gpus_per_node * g.count for g in cluster.groups)
+    peak = _peak_tflops(ByIdentity(cluster))
     return StepEstimate(
         step_time_s=step_s,
         tokens_per_s=cfg.global_batch * workload.seq / step_s,
@@ -878,10 +928,28 @@ def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_l
         memory=worst_mem,
         memory_limit_gb=min(limits_gb),
         stage_memory_limit_gb=limits_gb,
-        stage_device=tuple(slowest_device(clusters[_class_of(classes, r)]).name for r in range(cfg.pp)),
+        stage_device=stage_device,
         pipeline_s=float(pipe["total_s"]),
         stage_rest_s=dp["rest_s"],
     )
+
+
+@functools.lru_cache(maxsize=256)
+def _rank_devices(cluster_id: ByIdentity, pp: int) -> tuple[np.ndarray, tuple[float, ...], tuple[str, ...]]:
+    """Per pipeline rank: whether its device is a GPU, the device memory of its node groups (GB) and the
+    accelerator its stage is priced on (memoized, the cluster by identity)."""
+    clusters, classes = rank_clusters(cluster_id.obj, pp)
+    devices = [slowest_device(clusters[_class_of(classes, r)]) for r in range(pp)]
+    gpu = np.array([d.kind == "gpu" for d in devices])
+    gpu.setflags(write=False)
+    part_gb = [min(g.node.gpu.memory_bytes for g in part.groups) / mem.GB for part in clusters]
+    return gpu, tuple(part_gb[_class_of(classes, r)] for r in range(pp)), tuple(d.name for d in devices)
+
+
+@functools.lru_cache(maxsize=256)
+def _peak_tflops(cluster_id: ByIdentity) -> float:
+    """The cluster's summed dense bf16 peak TFLOP/s (memoized, the cluster by identity)."""
+    return sum(g.node.gpu.tflops("bf16") * g.node.gpus_per_node * g.count for g in cluster_id.obj.groups)
 
 
 def _virtual_choices(workload: Workload, cfg: ParallelConfig, stage_layers) -> list[int]:

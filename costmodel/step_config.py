@@ -5,9 +5,12 @@ Every check raises ``ConfigError`` naming the numbers and a fix (the nearest val
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Sequence
 
 from costmodel.errors import ConfigError
+from costmodel.memo import ByIdentity
 from costmodel.pipeline import SCHEDULES, check_schedule
 from costmodel.workload import Workload
 
@@ -306,11 +309,23 @@ def check_recompute_layers(cfg: ParallelConfig, workload: Workload, stage_layers
             f"recompute_layers={tuple(rl)} has {len(rl)} entries; give one per pipeline chunk "
             f"(pp*virtual_stages={len(stage_layers)})"
         )
-    start = 0
-    for c, (k, n) in enumerate(zip(rl, stage_layers)):
-        have = sum(1 for layer in workload.layers[start:start + n] if layer.recomputable)
+    for c, (k, have) in enumerate(zip(rl, recomputable_per_chunk(workload, stage_layers))):
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= have:
             raise ConfigError(
                 f"recompute_layers[{c}]={k!r}: chunk {c} has {have} recomputable layers; use 0..{have}"
             )
+
+
+def recomputable_per_chunk(workload: Workload, stage_layers: Sequence[int]) -> tuple[int, ...]:
+    """Per chunk of the cut ``stage_layers``: how many of its entries are recomputable (memoized per layer
+    tuple and cut: the planner checks one cut many times)."""
+    return _recomputable_cached(ByIdentity(workload.layers), tuple(stage_layers))
+
+
+@functools.lru_cache(maxsize=4096)
+def _recomputable_cached(layers: ByIdentity, stage_layers: tuple[int, ...]) -> tuple[int, ...]:
+    out, start = [], 0
+    for n in stage_layers:
+        out.append(sum(1 for layer in layers.obj[start:start + n] if layer.recomputable))
         start += n
+    return tuple(out)

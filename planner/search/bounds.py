@@ -213,23 +213,31 @@ def chunk_counts(costs: RankCosts, per_rank: Sequence[int], v: int) -> list[int]
     """Transformer layers per chunk: each rank's layers water-filled over its chunks (the first least loaded
     chunk takes the next layer), which minimises the rank's largest chunk."""
     pp = costs.pp
-    chunks = pp * v
     if v == 1:
         return list(per_rank)
-    lows = chunk_lows(costs.layout, chunks)
+    lows = chunk_lows(costs.layout, pp * v)
     counts = list(lows)
     for r in range(pp):
-        mine = list(range(r, chunks, pp))
-        extra = per_rank[r] - sum(lows[c] for c in mine)
-        fixed = [(costs.first_s if c == 0 else 0.0) + (costs.last_s if c == chunks - 1 else 0.0) for c in mine]
-        if not any(fixed) and len({lows[c] for c in mine}) == 1:
-            q, rem = divmod(extra, v)  # equal chunks: round robin from the first
-            for i, c in enumerate(mine):
-                counts[c] += q + (1 if i < rem else 0)
-            continue
-        for _ in range(extra):
-            i = min(range(v), key=lambda i: (fixed[i] + (counts[mine[i]] + 1) * costs.layer_s[r], i))
-            counts[mine[i]] += 1
+        counts[r::pp] = _rank_fill(costs, lows, r, per_rank[r], v)
+    return counts
+
+
+def _rank_fill(costs: RankCosts, lows: Sequence[int], r: int, n: int, v: int) -> list[int]:
+    """``chunk_counts`` of rank ``r`` alone (its chunks ``r, r + pp, ...``) holding ``n`` transformer layers: a
+    rank's fill does not depend on the other ranks'."""
+    pp = costs.pp
+    chunks = pp * v
+    mine = range(r, chunks, pp)
+    counts = [lows[c] for c in mine]
+    extra = n - sum(counts)
+    fixed = [(costs.first_s if c == 0 else 0.0) + (costs.last_s if c == chunks - 1 else 0.0) for c in mine]
+    if not any(fixed) and len(set(counts)) == 1:
+        q, rem = divmod(extra, v)  # equal chunks: round robin from the first
+        return [k + q + (1 if i < rem else 0) for i, k in enumerate(counts)]
+    u = costs.layer_s[r]
+    for _ in range(extra):
+        i = min(range(v), key=lambda i: (fixed[i] + (counts[i] + 1) * u, i))
+        counts[i] += 1
     return counts
 
 
@@ -299,6 +307,7 @@ def rank_counts_below(
         fit = most if u <= 0 or not math.isfinite(room) else math.floor(room / u + _TOL)
         caps.append(min(most, max(lows[r] - 1, fit)))
     found: list[tuple[float, tuple[int, ...]]] = []
+    parts = _RankParts(costs, v)
     visited = 0
     suffix_lo = [sum(lows[r:]) for r in range(pp + 1)]
     suffix_hi = [sum(caps[r:]) for r in range(pp + 1)]
@@ -309,15 +318,12 @@ def rank_counts_below(
         if visited > limit:
             return None
         if r == pp:
-            if schedule == "zero-bubble" and v > 1:
-                spreads = _spreads(costs, chosen, v)
-            else:
-                spreads = [chunk_counts(costs, chosen, v)]
-            for counts in spreads:
+            # cut_bound_s of chunk_counts (of each of _spreads for zero-bubble), from each rank's own part
+            for first in (parts.spreads(chosen[0]) if schedule == "zero-bubble" and v > 1 else (None,)):
                 visited += 1
-                b = cut_bound_s(costs, counts, schedule=schedule, v=v, m=m)
+                b = parts.bound_s(chosen, schedule=schedule, m=m, first=first)
                 if b < below_s:
-                    found.append((b, tuple(counts)))
+                    found.append((b, parts.counts(chosen, first=first)))
             if visited > limit:
                 return None
             continue
@@ -327,3 +333,70 @@ def rank_counts_below(
             stack.append((r + 1, left - k, chosen + (k,)))
     found.sort()
     return found
+
+
+class _RankParts:
+    """``chunk_counts`` and ``cut_bound_s`` of a count vector (of each of its ``_spreads``) from per-rank parts:
+    a rank's water-fill, its time and its largest chunk depend on its own count only (rank 0's spreads on
+    rank 0's), memoized per (rank, count): ``rank_counts_below`` meets each rank's count in many vectors. The
+    same sums in the same order as ``cut_bound_s``."""
+
+    def __init__(self, costs: RankCosts, v: int) -> None:
+        self.costs, self.v = costs, v
+        self.lows = chunk_lows(costs.layout, costs.pp * v)
+        self.memo: dict[tuple[int, int], tuple[list[int], float, float]] = {}
+        self.spread_memo: dict[int, list[tuple[list[int], float, float]]] = {}
+
+    def _of(self, r: int, counts: list[int]) -> tuple[list[int], float, float]:
+        """(rank ``r``'s chunk counts, its seconds, its largest chunk's seconds)."""
+        c, pp, last = self.costs, self.costs.pp, self.costs.pp * self.v - 1
+        chunk_s = []
+        for i, k in enumerate(counts):
+            t = k * c.layer_s[r]
+            if r + i * pp == 0:
+                t += c.first_s
+            if r + i * pp == last:
+                t += c.last_s
+            chunk_s.append(t)
+        return counts, sum(chunk_s), max(chunk_s)
+
+    def part(self, r: int, n: int) -> tuple[list[int], float, float]:
+        """Rank ``r``'s part with ``n`` layers water-filled over its chunks."""
+        hit = self.memo.get((r, n))
+        if hit is None:
+            counts = [n] if self.v == 1 else _rank_fill(self.costs, self.lows, r, n, self.v)
+            hit = self.memo[(r, n)] = self._of(r, counts)
+        return hit
+
+    def spreads(self, n0: int) -> list[tuple[list[int], float, float]]:
+        """Rank 0's parts in ``_spreads`` with ``n0`` layers: each count beside the embedding, the rest balanced."""
+        hit = self.spread_memo.get(n0)
+        if hit is None:
+            pp, lows = self.costs.pp, self.lows
+            others = list(range(pp, pp * self.v, pp))
+            rest = sum(lows[c] for c in others)
+            hit = []
+            for k0 in range(lows[0], n0 - rest + 1):
+                q, rem = divmod(n0 - k0 - rest, len(others))
+                hit.append(self._of(0, [k0] + [lows[c] + q + (1 if i < rem else 0) for i, c in enumerate(others)]))
+            self.spread_memo[n0] = hit
+        return hit
+
+    def _parts(self, per_rank: Sequence[int], first) -> list[tuple[list[int], float, float]]:
+        return [first if r == 0 and first is not None else self.part(r, n) for r, n in enumerate(per_rank)]
+
+    def bound_s(self, per_rank: Sequence[int], *, schedule: str, m: int, first=None) -> float:
+        """``cut_bound_s`` of the chunk counts (rank 0's part ``first`` when given)."""
+        parts = self._parts(per_rank, first)
+        rank_s = [p[1] for p in parts]
+        if len(parts) == 1:
+            return m * rank_s[0]
+        fill = 0.0 if self.v == 1 else sum(p[2] for p in parts[:-1])
+        return pipeline_form_s(schedule, m, self.v, max(rank_s), sum(rank_s), fill)
+
+    def counts(self, per_rank: Sequence[int], first=None) -> tuple[int, ...]:
+        pp = len(per_rank)
+        out = [0] * (pp * self.v)
+        for r, p in enumerate(self._parts(per_rank, first)):
+            out[r::pp] = p[0]
+        return tuple(out)

@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
+from costmodel.step_config import recomputable_per_chunk
 from planner.search import space as sp
 
 
@@ -110,20 +111,12 @@ def best_knobs(
     return (min(fits, key=Candidate.key) if fits else None), tried
 
 
-def recomputable_per_chunk(layers: Sequence[Any], cuts: Sequence[int]) -> list[int]:
-    out, start = [], 0
-    for n in cuts:
-        out.append(sum(1 for l in layers[start : start + n] if l.recomputable))
-        start += n
-    return out
-
-
 def _least_counts(ctx: Any, s: sp.Structure, k: sp.Knobs, cuts: tuple[int, ...], plain: Any,
                   full: Any) -> sp.Knobs | None:
     """``k`` with the fewest recomputed layers per rank that fit (``plain``: nothing recomputed, does not fit;
     ``full``: every layer, fits); None when an estimate fails or gives no per-rank memory."""
     pp = s.pp
-    rec = recomputable_per_chunk(ctx.workload.layers, cuts)
+    rec = recomputable_per_chunk(ctx.workload, cuts)
     have = [sum(rec[r::pp]) for r in range(pp)]
     limit = _limits(ctx, plain, pp)
     m0, m1 = _per_rank(plain.stage_memory_gb, pp), _per_rank(full.stage_memory_gb, pp)
