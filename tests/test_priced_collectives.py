@@ -12,7 +12,8 @@ At the plan's world size in one process: plans for 8 and 64 GPUs (tp2 x dp4 ZeRO
 dp4 ZeRO-2, cp2 x dp4, ep2 in dp8, tp8 x dp8), rank 0 built and stepped as ``autopar check`` does
 (``runtime.measure.memcheck.check_rank``: the ``fake`` process group, fake tensors, balanced expert routing), with
 the recorder as its ``step_mode``; and tp2 x dp4 ZeRO-0 (FSDP2 replicate under the bf16 / fp32 mixed precision
-of ZeRO 1-3, so the tp collectives move the bf16 the trace prices).
+of ZeRO 1-3, so the tp collectives move the bf16 the trace prices). Kept as it is: ZeRO-0 by hand (ep, pipeline:
+no wrapper) on GPUs moves fp32 over tp and ep (fp32 parameters under bf16 autocast) where the bf16 trace is priced.
 
 Beyond what is priced, a step may only issue the loss report (one 4-byte all-reduce per step over the batch ranks,
 ``ParallelModel.step``) and DDP's buffer broadcast (the rotary ``inv_freq`` buffer, bytes only: latency the
@@ -207,9 +208,12 @@ AT_SCALE = {  # kind -> (model spec, --fix, dgx-a100-80gb nodes); global batch 1
     "cp2_dp4_zero3": (FAKE_LLAMA, "cp=2,dp=4,zero=3,mb=1", 1),
     "ep2_dp8_zero3": (FAKE_MIXTRAL, "ep=2,dp=8,zero=3,mb=1", 1),
     "tp2_dp4_zero0": (FAKE_LLAMA, "tp=2,sp=0,dp=4,zero=0,mb=1", 1),
+    "tp2_ep2_dp4_zero0": (FAKE_MIXTRAL, "tp=2,ep=2,dp=4,zero=0,mb=1", 1),
     "tp8_dp8_zero3": (FAKE_LLAMA, "tp=8,dp=8,zero=3,mb=1", 8),
 }
 SCALE_GROUPS = {"world8": ("tp2_dp4_zero3", "tp2_sp_dp4_zero2", "cp2_dp4_zero3", "ep2_dp8_zero3", "tp2_dp4_zero0"),
+                # its own process: after another kind, its loss-parallel all-reduce names a destroyed group
+                "world8_by_hand": ("tp2_ep2_dp4_zero0",),
                 "world64": ("tp8_dp8_zero3",)}
 
 
@@ -287,6 +291,18 @@ def test_zero0_on_gpus_reduces_bf16_gradients_over_tp():
     assert want[("tp", "all_reduce")][0] > 0 and want[("dp", "all_reduce")][0] > 0
     _assert_equal(got, want)
     _assert_only_reporting(_extras(got, want))
+
+
+def test_zero0_by_hand_on_gpus_moves_fp32_over_tp_and_ep():
+    """Known difference: ZeRO-0 with ep (or in a pipeline) has no data-parallel wrapper, so on GPUs its fp32
+    parameters compute under bf16 autocast (``runtime.data_parallel.compute_autocast``): the residual stream and
+    the tokens are fp32, and the tp all-reduces and the ep token all-to-alls move fp32 where the step model prices
+    the traced bf16. Counts agree; the bytes are the fp32 / bf16 size ratio of the priced."""
+    got, want = at_scale("tp2_ep2_dp4_zero0")
+    ratio = torch.float32.itemsize / torch.bfloat16.itemsize
+    for key in (("tp", "all_reduce"), ("ep", "all_to_all")):
+        assert got[key][0] == want[key][0], key
+        assert got[key][1] == pytest.approx(ratio * want[key][1], rel=0.01), key
 
 
 def test_runtime_buckets_are_the_priced_buckets():
