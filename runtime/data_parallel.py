@@ -12,14 +12,15 @@ context parallel, whose ranks hold parts of the same sequences: ``runtime.mesh.g
   then), as torch's pipelining does by default. With one micro-batch they are the same.
 - ZeRO 3 reduce-scatters every micro-batch and reshards after forward and after backward.
 - Mixed precision: on CUDA, FSDP2 ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` (as
-  torchtitan trains): fp32 sharded parameters, gradients and optimizer states, bf16 gathered parameters and
-  compute, gradients reduced in fp32 (``mixed_precision``); the modes without that policy (DDP, replicate, no
-  wrapper) keep fp32 parameters and compute under bf16 autocast on CUDA (``compute_autocast``). On CPU (whose
-  bf16 is emulated) none: parameters
-  are gathered and gradients reduced in the parameters' own dtype.
+  torchtitan trains) for ``fully_shard`` and ``replicate`` alike: fp32 sharded parameters, gradients and optimizer
+  states, bf16 gathered parameters and compute, gradients reduced in fp32 (``mixed_precision``); the modes
+  without that policy (DDP, no wrapper) keep fp32 parameters and compute under bf16 autocast on CUDA
+  (``compute_autocast``). On CPU (whose bf16 is emulated) none: parameters are gathered and gradients reduced in
+  the parameters' own dtype.
 - ZeRO 0: ``DistributedDataParallel`` when no parameter is a DTensor; with tensor parallel (DTensor parameters,
   which DDP cannot bucket) FSDP2's replicate (``torch.distributed._composable.replicate_with_fsdp.replicate``:
-  parameters replicated over dp, gradients all-reduced). In a pipeline and with expert parallel ZeRO 0 has no
+  parameters replicated over dp, gradients all-reduced; on CUDA under ``mixed_precision`` as ZeRO 1-3, so the tp
+  collectives move the bf16 the plan priced). In a pipeline and with expert parallel ZeRO 0 has no
   wrapper: ``ParallelModel.step`` calls ``average_gradients`` after the backward (``averages_by_hand``).
 - Expert parallel (``expert_fqns``): each experts module first gets its own ``fully_shard`` over the outer ``dp``
   axis (the ranks holding the same experts: their gradients already hold the mean over ep, see
@@ -72,9 +73,10 @@ def mixed_precision(device_type: str) -> MixedPrecisionPolicy | None:
 
 def compute_autocast(modules: Iterable[nn.Module], device_type: str) -> contextlib.AbstractContextManager:
     """The autocast a step runs under: on CUDA, bf16 for modules whose compute no FSDP2 ``MixedPrecisionPolicy``
-    casts (DDP, FSDP2's replicate, no data-parallel wrapper: fp32 parameters), as torchtitan's
+    casts (DDP, no data-parallel wrapper: fp32 parameters), as torchtitan's
     ``maybe_enable_amp`` does, so they compute in the bf16 the plan priced; none on CPU (emulated bf16: the
-    measurement wing chooses the dtype there) or where FSDP2 casts the parameters itself."""
+    measurement wing chooses the dtype there) or where FSDP2 (``fully_shard`` or ``replicate`` under
+    ``mixed_precision``) casts the parameters itself."""
     if device_type != "cuda":
         return contextlib.nullcontext()
     for root in modules:
@@ -107,7 +109,7 @@ def apply_data_parallel(model: nn.Module, *, plan: Plan, mesh: DeviceMesh,
                         blocks: Iterable[nn.Module] | None = None) -> nn.Module:
     """Wrap ``model`` for data parallelism over the batch axis; returns the module to call (DDP may wrap it).
 
-    ``mp_policy``: the FSDP2 mixed precision of ZeRO 1-3; ``"auto"``: ``mixed_precision`` of the mesh's device.
+    ``mp_policy``: the FSDP2 mixed precision of ZeRO 1-3 and of ZeRO 0's replicate; ``"auto"``: ``mixed_precision`` of the mesh's device.
     ``blocks``: the modules that get their own FSDP2 unit (None: ``transformer_blocks(model)``; a pipeline chunk
     passes its layers, which sit in plain containers there, not in a ModuleList)."""
     dp_mesh = grad_mesh(mesh)  # the batch axes, times cp when context parallel
@@ -121,15 +123,16 @@ def apply_data_parallel(model: nn.Module, *, plan: Plan, mesh: DeviceMesh,
             raise ConfigError("DDP (zero_stage=0) needs materialised parameters: call runtime.materialize first")
         log.info("data parallel: DDP over %d ranks", dp_mesh.size())
         return DistributedDataParallel(model, process_group=dp_mesh.get_group())
-    if zero == 0:
-        for block in transformer_blocks(model) if blocks is None else blocks:
-            replicate(block, mesh=dp_mesh)
-        replicate(model, mesh=dp_mesh)
-        log.info("data parallel: FSDP2 replicate (DDP semantics) over %d ranks with DTensor parameters", dp_mesh.size())
-        return model
-    reshard = zero == 3
     policy = mixed_precision(mesh.device_type) if isinstance(mp_policy, str) else mp_policy
     kw = {"mp_policy": policy} if policy is not None else {}
+    if zero == 0:  # the same policy as ZeRO 1-3: the bf16 compute (and tp collectives) the plan priced
+        for block in transformer_blocks(model) if blocks is None else blocks:
+            replicate(block, mesh=dp_mesh, **kw)
+        replicate(model, mesh=dp_mesh, **kw)
+        log.info("data parallel: FSDP2 replicate (DDP semantics) over %d ranks with DTensor parameters%s",
+                 dp_mesh.size(), ", bf16 parameters / fp32 reduction" if policy is not None else "")
+        return model
+    reshard = zero == 3
     for fqn in expert_fqns:  # the experts' own unit over the ranks that hold them (module docstring)
         fully_shard(model.get_submodule(fqn), mesh=mesh["dp"], reshard_after_forward=reshard, **kw)
     for block in transformer_blocks(model) if blocks is None else blocks:
