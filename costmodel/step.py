@@ -677,6 +677,20 @@ def recv_buffer_bytes(workload: Workload, cfg: ParallelConfig, k: StepConstants,
     return m * each * _per_rank(receives, v, pp)
 
 
+def stage_output_bytes(workload: Workload, cfg: ParallelConfig, k: StepConstants, inflight: np.ndarray) -> np.ndarray:
+    """Per rank: the stage outputs kept for the micro-batches in flight until their backward where the target
+    keeps them (``stage_outputs_kept``): one boundary tensor per micro-batch in flight on each chunk but the last
+    (whose output is the loss). A block's output is no tensor its own backward saves, so the block's activation
+    bytes do not hold it."""
+    pp, v = cfg.pp, cfg.virtual_stages or 1
+    if pp == 1 or not k.stage_outputs_kept:
+        return np.zeros(pp)
+    each = p2p_boundary_bytes(workload, mb=cfg.microbatch, tp=cfg.tp, cp=cfg.cp,
+                              sp=cfg.sequence_parallel and cfg.tp > 1, k=k)
+    holds = (np.arange(pp * v) < pp * v - 1).astype(float)
+    return each * _per_rank(holds, v, pp) * inflight
+
+
 def _memory(workload: Workload, cfg: ParallelConfig, ch: dict[str, np.ndarray], dense: np.ndarray,
             expert: np.ndarray, m: int, mc: mem.MemoryConstants, gpu: np.ndarray, target: Target
             ) -> tuple[dict[str, np.ndarray], np.ndarray]:
@@ -688,7 +702,8 @@ def _memory(workload: Workload, cfg: ParallelConfig, ch: dict[str, np.ndarray], 
     modes = _rank_modes(w, cfg, target, gpu)
     terms = _model_states(w, cfg, target, dense, expert, modes)
     tokens = cfg.microbatch * w.seq / cfg.cp
-    terms["activations"] = _per_rank(ch["act"], v, pp) * inflight + _per_rank(ch["work"], v, pp, "max")
+    terms["activations"] = (_per_rank(ch["act"], v, pp) * inflight + _per_rank(ch["work"], v, pp, "max")
+                            + stage_output_bytes(w, cfg, target.constants, inflight))
     terms["logits"] = _per_rank(ch["head_work"], v, pp, "max")
     # tensor-parallel collective buffers; DDP's gradient buckets are in the layout's gradient bytes
     buffers = 2.0 * tokens * w.hidden * w.dtype_bytes if cfg.tp > 1 else 0.0
