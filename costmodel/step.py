@@ -275,6 +275,10 @@ def _layer_columns(uniques: ByIdentity, ctx_key: _CtxKey) -> tuple[tuple[str, ..
                        for r, layer in zip(rows, uniques.obj)],
         "maxact": [0.0 if layer.kind in ("embedding", "head") else r.activation_bytes
                    for r, layer in zip(rows, uniques.obj)],
+        # a vocab-sharded embedding's gradient is the whole table (DTensor's embedding backward under
+        # RowwiseParallel, torch 2.13): the parameters its gradient holds beyond the rank's shard
+        "embgrad": [max(0.0, layer.params - r.params) if layer.kind == "embedding" else 0.0
+                    for r, layer in zip(rows, uniques.obj)],
     }
     for k in kinds:
         cols[f"cf:{k}"] = [r.comm_fwd.get(k, 0.0) for r in rows]
@@ -701,6 +705,8 @@ def _memory(workload: Workload, cfg: ParallelConfig, ch: dict[str, np.ndarray], 
     inflight = _inflight(cfg.schedule, pp, m, v)
     modes = _rank_modes(w, cfg, target, gpu)
     terms = _model_states(w, cfg, target, dense, expert, modes)
+    grad_per_param = np.array([mode.term_bytes_per_param(cfg.dp * cfg.cp)["gradients"] for mode in modes])
+    terms["gradients"] = terms["gradients"] + _per_rank(ch["embgrad"], v, pp) * grad_per_param
     tokens = cfg.microbatch * w.seq / cfg.cp
     terms["activations"] = (_per_rank(ch["act"], v, pp) * inflight + _per_rank(ch["work"], v, pp, "max")
                             + stage_output_bytes(w, cfg, target.constants, inflight))

@@ -340,3 +340,28 @@ def test_pipelined_fsdp_accumulates_as_the_stage_says(zero):
             assert grads == pytest.approx(n * 4.0, rel=0.01)
         else:
             assert n * 2.0 <= grads < n * 3.0  # the shard (4 B / dp) plus one group in flight
+
+
+def test_vocab_sharded_embedding_gradient_is_the_whole_table():
+    """Under tp the runtime shards the token embedding over the vocabulary (RowwiseParallel), but DTensor's
+    embedding backward (torch 2.13) gives each rank the gradient of the whole table: the step model's gradient
+    term holds the rank's gradients as the runtime leaves them after a step (tp2 on the fake group, fp32)."""
+    from runtime.apply import apply_plan
+    from runtime.manual_plan import manual_plan
+
+    _fake_group(2)
+    try:
+        model = _model()
+        pm = apply_plan(model, manual_plan(model, tp=2, seq_len=SEQ), loss_fn=_loss)
+        x = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(1))
+        pm.step(x, x)
+        grads = {fqn: p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                 for fqn, p in pm.module.named_parameters()}
+        emb = pm.module.model.embed_tokens.weight
+        assert grads["model.embed_tokens.weight"].numel() == emb.to_local().numel() * 2  # the whole table
+        got = sum(g.numel() * g.element_size() for g in grads.values())
+    finally:
+        dist.destroy_process_group()
+    est = estimate_step(_workload()[0], ParallelConfig(tp=2, microbatch=1, global_batch=1),
+                        make_cluster("local", 1, gpus_per_node=2))
+    assert est.memory.terms["gradients"] == pytest.approx(got, rel=0.01)
