@@ -295,6 +295,10 @@ def _layer_columns(uniques: ByIdentity, ctx_key: _CtxKey) -> tuple[tuple[str, ..
                        for r, layer in zip(rows, uniques.obj)],
         "maxact": [0.0 if layer.kind in ("embedding", "head") else r.activation_bytes
                    for r, layer in zip(rows, uniques.obj)],
+        # a vocab-sharded embedding's gradient is the whole table (DTensor's embedding backward under
+        # RowwiseParallel, torch 2.13): the parameters its gradient holds beyond the rank's shard
+        "embgrad": [max(0.0, layer.params - r.params) if layer.kind == "embedding" else 0.0
+                    for r, layer in zip(rows, uniques.obj)],
     }
     for k in kinds:
         cols[f"cf:{k}"] = [r.comm_fwd.get(k, 0.0) for r in rows]
@@ -730,6 +734,20 @@ def recv_buffer_bytes(workload: Workload, cfg: ParallelConfig, k: StepConstants,
     return m * each * _per_rank(receives, v, pp)
 
 
+def stage_output_bytes(workload: Workload, cfg: ParallelConfig, k: StepConstants, inflight: np.ndarray) -> np.ndarray:
+    """Per rank: the stage outputs kept for the micro-batches in flight until their backward where the target
+    keeps them (``stage_outputs_kept``): one boundary tensor per micro-batch in flight on each chunk but the last
+    (whose output is the loss). A block's output is no tensor its own backward saves, so the block's activation
+    bytes do not hold it."""
+    pp, v = cfg.pp, cfg.virtual_stages or 1
+    if pp == 1 or not k.stage_outputs_kept:
+        return np.zeros(pp)
+    each = p2p_boundary_bytes(workload, mb=cfg.microbatch, tp=cfg.tp, cp=cfg.cp,
+                              sp=cfg.sequence_parallel and cfg.tp > 1, k=k)
+    holds = (np.arange(pp * v) < pp * v - 1).astype(float)
+    return each * _per_rank(holds, v, pp) * inflight
+
+
 def _memory(workload: Workload, cfg: ParallelConfig, ch: dict[str, np.ndarray], dense: np.ndarray,
             expert: np.ndarray, m: int, mc: mem.MemoryConstants, gpu: np.ndarray, target: Target
             ) -> tuple[dict[str, np.ndarray], np.ndarray]:
@@ -740,8 +758,11 @@ def _memory(workload: Workload, cfg: ParallelConfig, ch: dict[str, np.ndarray], 
     inflight = _inflight(cfg.schedule, pp, m, v)
     modes = _rank_modes(w, cfg, target, gpu)
     terms = _model_states(w, cfg, target, dense, expert, modes)
+    grad_per_param = np.array([mode.term_bytes_per_param(cfg.dp * cfg.cp)["gradients"] for mode in modes])
+    terms["gradients"] = terms["gradients"] + _per_rank(ch["embgrad"], v, pp) * grad_per_param
     tokens = cfg.microbatch * w.seq / cfg.cp
-    terms["activations"] = _per_rank(ch["act"], v, pp) * inflight + _per_rank(ch["work"], v, pp, "max")
+    terms["activations"] = (_per_rank(ch["act"], v, pp) * inflight + _per_rank(ch["work"], v, pp, "max")
+                            + stage_output_bytes(w, cfg, target.constants, inflight))
     terms["logits"] = _per_rank(ch["head_work"], v, pp, "max")
     # tensor-parallel collective buffers; DDP's gradient buckets are in the layout's gradient bytes
     buffers = 2.0 * tokens * w.hidden * w.dtype_bytes if cfg.tp > 1 else 0.0

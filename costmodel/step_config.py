@@ -105,6 +105,8 @@ class StepConstants:
     - ``recv_buffers_per_microbatch``: each stage keeps one activation and one gradient receive buffer per
       micro-batch of the step for the whole step (torch.distributed.pipelining ``PipelineStage``) rather than
       for the micro-batches in flight.
+    - ``stage_outputs_kept``: a stage keeps the output of every micro-batch in flight until that micro-batch's
+      backward (torch.distributed.pipelining ``PipelineStage``'s forward cache) rather than freeing it once sent.
 
     Communication: ``grad_reduce_bytes`` per gradient element of the data-parallel reduction,
     ``param_gather_bytes`` per parameter of the parameter all-gather (None: the workload's bytes per element,
@@ -134,6 +136,7 @@ class StepConstants:
     first_bucket_bytes: float
     p2p_boundary: str
     recv_buffers_per_microbatch: bool
+    stage_outputs_kept: bool
     grad_reduce_bytes: float | None
     param_gather_bytes: float | None
     precisions: tuple[PrecisionConstants, ...] = ()

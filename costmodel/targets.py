@@ -57,7 +57,7 @@ CONSTANT_TABLES: dict[str, dict[str, type]] = {
                 "last_bucket_bytes": float, "zero3_flat_nic": bool, "zero3_passes_recompute": bool,
                 "zero3_collectives_per_layer": int, "zero2_reduce_per_microbatch": bool,
                 "zero12_per_unit": bool, "first_bucket_bytes": float},
-    "pipeline": {"p2p_boundary": str, "recv_buffers_per_microbatch": bool},
+    "pipeline": {"p2p_boundary": str, "recv_buffers_per_microbatch": bool, "stage_outputs_kept": bool},
     "comm": {"grad_reduce_bytes": float, "param_gather_bytes": float},
 }
 _CONSTANT_TYPES = {k: t for table in CONSTANT_TABLES.values() for k, t in table.items()}

@@ -47,6 +47,9 @@ class OpNode:
     bytes_written: float = 0.0
     saved_bytes: float | None = None
     """Bytes autograd keeps for backward because of this op (``planner.saved``; None: not measured)."""
+    backward_bytes: float | None = None
+    """Most bytes this op's backward holds beyond what was live when its block's backward began, parameter
+    gradients aside (``planner.saved.backward_excess_by_node``; None: not measured)."""
     params: tuple[ParamRef, ...] = ()
     module_fqn: str = ""
     """Innermost module the op ran in (from ``nn_module_stack``); ``""`` for the root."""

@@ -11,6 +11,12 @@ inside itself (a norm's fp32 statistics, attention's log-sum-exp), to the op tha
 buffers and what is made from them alone (cast copies, per-token gathers of expert weights) are not
 activations; a storage saved by several ops counts once. This is the eager behaviour, fp32
 upcasts, rotary temporaries and GLU intermediates included, not a formula of it.
+
+``backward_excess_by_node(ep, block_of)`` replays the forward again with tensors freed as eager frees them and
+then runs the backward, counting live storages (``_LiveStorages``): per op, the most bytes its backward holds
+beyond what was live when its block's backward began, less the parameter gradients (model states): the
+gradient flowing into the block, the gradients of its intermediate tensors and autograd's temporaries, net of
+the saved activations the block's backward has freed by then.
 """
 
 from __future__ import annotations
@@ -36,6 +42,109 @@ def saved_bytes_by_node(ep: Any) -> dict[str, float] | None:
         log.warning("could not replay the exported graph on fake tensors to count saved activations (%s: %s); "
                     "activation bytes fall back to op outputs", type(e).__name__, str(e).splitlines()[0][:200])
         return None
+
+
+def backward_excess_by_node(ep: Any, block_of: dict[str, str]) -> dict[str, float] | None:
+    """Per ``call_function`` node name of ``ep``: the most bytes live while its backward runs beyond those live
+    when the backward of its block (``block_of``: node name -> block) began, less parameter gradients, plus the
+    gradients made by the backward before and still alive then (what flows into the block). None when the
+    graph cannot run on fake tensors. See the module docstring."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.export.graph_signature import InputKind
+
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            args, _ = _fake_inputs(ep, torch, InputKind)
+            return _run_backward(ep, args, block_of, torch)
+    except Exception as e:  # noqa: BLE001 - any failure leaves the backward's working bytes unpriced
+        log.warning("could not replay the exported graph's backward on fake tensors (%s: %s); the backward's "
+                    "working bytes are not priced", type(e).__name__, str(e).splitlines()[0][:200])
+        return None
+
+
+def _live_storages(torch: Any) -> Any:
+    """A ``TorchDispatchMode`` class that counts the bytes of the storages ops return until they are freed
+    (weakref finalizers on the storages, as ``torch.distributed._tools.mem_tracker`` counts), ``total``, and
+    those made since ``mark`` was set (``since_mark``); ``on_op`` is called after every op."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _LiveStorages(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.live: dict[int, tuple[int, bool]] = {}
+            self.total = self.since_mark = 0
+            self.marking = False
+            self.on_op = lambda: None
+
+        def _free(self, key: int) -> None:
+            nbytes, marked = self.live.pop(key, (0, False))
+            self.total -= nbytes
+            self.since_mark -= nbytes if marked else 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            out = func(*args, **(kwargs or {}))
+            for t in _tensors(out, torch):
+                st = t.untyped_storage()
+                key = st._cdata
+                if key not in self.live:
+                    self.live[key] = (st.nbytes(), self.marking)
+                    self.total += st.nbytes()
+                    self.since_mark += st.nbytes() if self.marking else 0
+                    weakref.finalize(st, self._free, key)
+            self.on_op()
+            return out
+
+    return _LiveStorages
+
+
+def _run_backward(ep: Any, args: list[Any], block_of: dict[str, str], torch: Any) -> dict[str, float]:
+    params = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    grad_fns: dict[Any, str] = {}
+    excess: dict[str, float] = {}
+    state = {"node": "", "block": None, "base": 0.0}
+    counter = _live_storages(torch)()
+
+    def grads_bytes() -> int:
+        return sum({_storage(p.grad): p.grad.untyped_storage().nbytes() for p in params
+                    if p.grad is not None}.values())
+
+    def held() -> float:  # live bytes that are not parameter gradients
+        return float(counter.total - grads_bytes())
+
+    def record() -> None:
+        name = state["node"]
+        if name:
+            excess[name] = max(excess.get(name, 0.0), held() - state["base"])
+
+    def enter(name: str) -> None:
+        block = block_of.get(name)
+        if block != state["block"]:  # this block's backward begins: what flows in is what the backward made
+            grads_in = float(counter.since_mark - grads_bytes())
+            state.update(block=block, base=held() - grads_in)
+        state["node"] = name
+        record()
+
+    class _Forward(_cpu_interpreter(torch)):
+        def run_node(self, n: Any) -> Any:
+            out = super().run_node(n)
+            if n.op == "call_function":
+                for t in _tensors(out, torch):
+                    fn = t.grad_fn
+                    if fn is not None and fn not in grad_fns:
+                        grad_fns[fn] = n.name
+                        fn.register_prehook(lambda grads, name=n.name: enter(name))
+            return out
+
+    counter.on_op = record
+    with torch.enable_grad(), counter:
+        outs = [t for t in _tensors(_Forward(ep.graph_module).run(*args), torch) if t.requires_grad]
+        seeds = [torch.ones_like(t) for t in outs]
+        counter.marking = True
+        torch.autograd.backward(outs, seeds)
+    return excess
 
 
 def _storage(t: Any) -> int:
@@ -70,9 +179,24 @@ def _fake_inputs(ep: Any, torch: Any, kinds: Any) -> tuple[list[Any], set[int]]:
     return args, frozen
 
 
-def _run(ep: Any, args: list[Any], frozen: set[int], torch: Any) -> dict[str, float]:
+def _cpu_interpreter(torch: Any) -> type:
+    """An ``fx.Interpreter`` that makes on the replay's CPU device the factories traced on meta (position ids,
+    masks)."""
     from torch.fx import Interpreter
 
+    def on_cpu(v: Any) -> Any:
+        return torch.device("cpu") if isinstance(v, torch.device) and v.type == "meta" else v
+
+    class _OnCpu(Interpreter):
+        def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+            kwargs = {k: (torch.device("cpu") if k == "device" and getattr(v, "type", v) == "meta" else v)
+                      for k, v in kwargs.items()}
+            return super().call_function(target, tuple(on_cpu(a) for a in args), kwargs)
+
+    return _OnCpu
+
+
+def _run(ep: Any, args: list[Any], frozen: set[int], torch: Any) -> dict[str, float]:
     produced: dict[int, str] = {}
     alive: list[Any] = []  # every output stays referenced, so no storage address is reused during the replay
     saved: dict[int, tuple[str, float]] = {}
@@ -85,15 +209,7 @@ def _run(ep: Any, args: list[Any], frozen: set[int], torch: Any) -> dict[str, fl
                 saved[sid] = (produced.get(sid, current[0]), float(t.untyped_storage().nbytes()))
         return t
 
-    class _Replay(Interpreter):
-        def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
-            # factories traced on meta (position ids, masks) are made on the replay's CPU device
-            kwargs = {k: (torch.device("cpu") if k == "device" and getattr(v, "type", v) == "meta" else v)
-                      for k, v in kwargs.items()}
-            args = tuple(torch.device("cpu") if isinstance(a, torch.device) and a.type == "meta" else a
-                         for a in args)
-            return super().call_function(target, args, kwargs)
-
+    class _Replay(_cpu_interpreter(torch)):
         def run_node(self, n: Any) -> Any:
             current[0] = n.name if n.op == "call_function" else ""
             out = super().run_node(n)

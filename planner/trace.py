@@ -42,7 +42,7 @@ from typing import Any, Iterator
 from costmodel.errors import UnsupportedModelError
 from planner.flops import op_class_of, op_cost, op_name
 from planner.graph import Edge, OpGraph, OpNode, op_signature
-from planner.saved import saved_bytes_by_node
+from planner.saved import backward_excess_by_node, saved_bytes_by_node
 
 log = logging.getLogger(__name__)
 
@@ -397,6 +397,9 @@ def _graph_from_export(ep: Any, *, layer_parent: str | None, layer_fqns: tuple[s
         for src in _tensor_inputs(fx):
             if src.op == "call_function":
                 edges[(src.name, fx.name)] = eff_bytes.get(src.name, 0.0)
+    backward = backward_excess_by_node(ep, {n.name: n.block for n in nodes}) if saved else None
+    if backward is not None:
+        nodes = [replace(n, backward_bytes=backward.get(n.name, 0.0)) for n in nodes]
     return OpGraph(nodes=tuple(nodes), edges=tuple(Edge(src=s, dst=d, nbytes=b) for (s, d), b in edges.items()),
                    param_sizes=tuple(param_sizes.items()), layer_fqns=layer_fqns, traced_layers=len(layer_fqns))
 

@@ -84,3 +84,32 @@ def test_megatron_keeps_in_flight_buffers_and_slices_the_boundary_over_tp():
     assert p2p_boundary_bytes(wl, mb=MB, tp=2, cp=1, sp=True, k=ours) == whole  # runtime/pipeline.py: whole
     assert p2p_boundary_bytes(wl, mb=MB, tp=2, cp=1, sp=True, k=titan) == whole / 2  # sequence shard
     assert p2p_boundary_bytes(wl, mb=MB, tp=2, cp=1, sp=False, k=titan) == whole
+
+
+def test_stage_outputs_are_what_pipeline_stage_keeps(fake_world):
+    """torch's ``PipelineStage`` keeps each micro-batch's output in its forward cache until that micro-batch's
+    backward: ``stage_output_bytes`` prices one boundary tensor per micro-batch in flight on every chunk but the
+    last (the autopar runtime, torchtitan); Megatron pseudo-frees its sent outputs."""
+    import numpy as np
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    from costmodel.step import stage_output_bytes
+
+    pp, inflight = 2, 3
+    wl = gpt_workload(layers=2 * pp, hidden=H, heads=4, vocab=256, seq=SEQ)
+    cfg = ParallelConfig(pp=pp, microbatch=MB, global_batch=MB * 4, schedule="1f1b")
+    fake_world(0, pp)
+    x = torch.empty(MB, SEQ, H, dtype=torch.bfloat16)
+    st = PipelineStage(torch.nn.Linear(H, H, dtype=torch.bfloat16), stage_index=0, num_stages=pp,
+                       device=torch.device("cpu"), input_args=(x,), output_args=(x,), output_grads=(x,),
+                       input_grads=(x,))
+    st._inference_mode = InferenceMode.STATIC
+    st._prepare_forward_infra(4, (x,), None, has_backward=True)
+    for i in range(inflight):
+        st.forward_one_chunk(i, (torch.randn(MB, SEQ, H, dtype=torch.bfloat16),))
+    kept = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for outputs, _ in st.fwd_cache.values() for t in outputs}
+    priced = stage_output_bytes(wl, cfg, load_target("autopar").constants, np.array([inflight, 1.0]))
+    assert priced.tolist() == [sum(kept.values()), 0.0]
+    assert not stage_output_bytes(wl, cfg, load_target("megatron").constants, np.array([inflight, 1.0])).any()

@@ -50,6 +50,7 @@ class GraphCoster:
         self.cache = StrategyCache()
         self._ops: dict[tuple[str, int], tuple] = {}
         self._other_dtypes: dict[int, GraphCoster] = {}
+        self._backward: dict[str, tuple[float, float] | None] = {}
 
     @property
     def dtype_bytes(self) -> int:
@@ -94,6 +95,28 @@ class GraphCoster:
         except InfeasiblePlanError as e:  # e.g. no executable sequence-parallel sharding: the search skips it
             raise ConfigError(str(e)) from None
 
+    def backward_bytes(self, layer: LayerWork, full_activation_bytes: float) -> float:
+        """Bytes the block's backward holds beyond its saved activations and parameter gradients (the traced
+        ops' ``backward_bytes`` at their largest), under the solved sharding and micro-batch: scaled by the
+        block's saved activations there (``full_activation_bytes``, what the ILP's layouts keep per device)
+        over those traced. The gradients and temporaries of a backward have the shapes of the forward's
+        tensors, sharded as they are."""
+        traced = self._traced_backward(self.block_of(layer))
+        if traced is None:
+            return 0.0
+        peak, saved = traced
+        return peak * full_activation_bytes / saved
+
+    def _traced_backward(self, block) -> tuple[float, float] | None:
+        """(largest ``backward_bytes``, saved bytes) over the block's traced ops; None if not measured."""
+        if block.name not in self._backward:
+            nodes = {n.name: n for n in self._graph.nodes if n.block == block.name}
+            ops = [nodes[o] for o in block.ops if o in nodes]
+            peaks = [n.backward_bytes for n in ops if n.backward_bytes is not None]
+            saved = sum(n.saved_bytes or 0.0 for n in ops)
+            self._backward[block.name] = (max(peaks), saved) if peaks and saved > 0 else None
+        return self._backward[block.name]
+
     def __call__(self, layer: LayerWork, ctx: LayerCtx) -> LayerCost:
         s = self.strategy(layer, ctx)
         cal = ctx.cluster.calibration
@@ -103,6 +126,8 @@ class GraphCoster:
             d_f, d_b = dispatch_time_s(part=part, device=ctx.device, calibration=cal, tensor_parallel=ctx.tp > 1)
         rec = s.recompute_s + (d_f if ctx.recompute == "full" else 0.0)
         working = s.full_activation_bytes - s.activation_bytes if ctx.recompute != "none" else 0.0
+        if layer.kind not in ("embedding", "head"):  # the head's backward is its logits and loss, below
+            working += self.backward_bytes(layer, s.full_activation_bytes)
         if layer.kind == "head":  # the logits, and what the target's loss holds per logit element at its peak
             working += s.logits_bytes * (1.0 + ctx.constants.loss_bytes_per_logit / self._dtype_bytes)
         return LayerCost(

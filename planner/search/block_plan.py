@@ -99,6 +99,8 @@ def _cost_strategy(op: LayerOp, s: OpStrategy, *, ctx: CostContext, mesh: MeshSh
     full = op.saved_bytes * s.act_fraction / mesh.cp
     if op.kind == "attention" and not ctx.flash:
         full += ctx.scores_bytes * s.work_fraction / (mesh.cp * mesh.cp)  # s/cp query rows against all s keys
+    if recompute == "full" and op.kind == "input":  # torch.utils.checkpoint keeps the block's input
+        full = max(full, op.out_bytes * s.act_fraction / mesh.cp)
     saved = 0.0 if recomputed and op.kind != "input" else full
     rec = fwd if recomputed else 0.0
     if recompute == "selective" and ctx.selective == "op" and op.kind not in ("input", "output"):
