@@ -80,6 +80,16 @@ every plan):
   DeepSeek-V4-Flash (2: compressed attention transformers runs only eagerly), ep > dp (9: Megatron-Core's MoE
   parallel folding puts the expert-parallel group over tp x dp with a sequence-parallel MoE block, which the
   block strategies cannot describe).
+- Dropless MoE layers host-bound (``expert_gemm_host_s``, megatron 90 us, the other targets 0): Transformer
+  Engine's GroupedLinear issues one cuBLAS GEMM per local expert from a host list of tokens per expert, which the
+  dropless dispatcher copies to the host first, so a pass of a MoE block takes at least local experts x 2
+  (forward) / 4 (backward) x that (``planner.search.block_cost.expert_host_s``). Small micro-batches with many
+  local experts were priced up to 2.7x too fast (Qwen3-30B-A3B on 8 B200 at micro-batch 1: +174%) where the same
+  model at micro-batch 4 was within 5%. Set once over the 150 MoE rows (0 / 60 / 80 / 90 / 100 / 110 / 120 us with
+  ``expert_gemm_efficiency`` 0.6, 80 / 100 us with 0.65 / 0.7; dense rows unchanged): megatron median 9.6% ->
+  8.7% (8.9% at 100 us), mean 16.3% -> 13.0%, max 174% -> 111%, DGX-B200 13.0% -> 4.8%; SC21 and torchtitan
+  unchanged. Left: 25.09's token-dropping Qwen3-30B-A3B row (L621, -51%), 1.94x its dropless twin of 25.11 /
+  26.02.
 - Tried and not kept: a softmax-exponential term for fused attention (special-function-unit rate per GPU:
   H100 3.9 T/s from FlashAttention-3, Blackwell Ultra doubling Blackwell's) serial with the attention GEMMs
   moved the megatron median 9.7% -> 9.1% (with sustained_compute 0.67) but the torchtitan rows from 3.7% to

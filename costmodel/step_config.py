@@ -66,6 +66,10 @@ class StepConstants:
       keeps the outputs of every other matmul and of attention and recomputes the rest: torchtitan's policy).
     - ``expert_gemm_efficiency``: the MoE experts' work (grouped GEMMs with the token permutation around them)
       against dense GEMMs of the same FLOPs and bytes.
+    - ``expert_gemm_host_s``: host seconds to issue one expert's GEMM of a grouped linear (per local expert,
+      grouped linear and pass): the experts op of a pass takes at least local experts x GEMMs x this (a dropless
+      MoE layer syncs the host on its token counts, so the host cannot run ahead of it); 0: a single grouped
+      kernel, never host-bound.
     - ``softmax_bytes`` per attention score of unfused attention (scaled-masked softmax + dropout).
     - ``elementwise_replicated_bytes`` / ``elementwise_ffn_bytes``: norms, dropout, residuals / bias + activation
       (the closed-form oracle; a traced block has its own ops).
@@ -119,6 +123,7 @@ class StepConstants:
     fused_memory_bound: bool
     selective_recompute: str
     expert_gemm_efficiency: float
+    expert_gemm_host_s: float
     softmax_bytes: float
     elementwise_replicated_bytes: float
     elementwise_ffn_bytes: float

@@ -50,7 +50,8 @@ FACTS: dict[str, type] = {
 # Constant tables and the StepConstants fields each holds, with their types.
 CONSTANT_TABLES: dict[str, dict[str, type]] = {
     "kernels": {"sustained_compute": float, "tp_fused_input_projections": bool, "fused_memory_bound": bool,
-                "selective_recompute": str, "expert_gemm_efficiency": float, "softmax_bytes": float,
+                "selective_recompute": str, "expert_gemm_efficiency": float, "expert_gemm_host_s": float,
+                "softmax_bytes": float,
                 "elementwise_replicated_bytes": float, "elementwise_ffn_bytes": float,
                 "optimizer_bytes_per_param": float, "loss_bytes_per_logit": float},
     "overlap": {"overlap_slowdown": float, "overlap_param_gather": bool, "tp_comm_exposed": float,

@@ -91,3 +91,36 @@ def test_bad_inputs():
         op_time_s(flops=-1, bytes_moved=1, op_class="matmul", device=A100)
     with pytest.raises(ConfigError, match="must all be >= 1"):
         matmul_efficiency(0, 8, 8, A100)
+
+
+def test_dropless_experts_take_at_least_the_host_time_of_their_per_expert_gemms():
+    """A tiny MoE block (8 experts, FLOPs of microseconds) priced for megatron with ``expert_gemm_host_s`` 1 ms:
+    each pass takes the host time of its per-expert GEMMs, 2 (forward) / 4 (backward) per local expert, expert
+    parallelism dividing the local experts; with 0 the same block takes microseconds, and a dense block is
+    unchanged (``planner.search.block_cost.expert_host_s``)."""
+    from dataclasses import replace
+
+    from costmodel.step import layer_contexts
+    from costmodel.step_config import ParallelConfig
+    from costmodel.targets import load_target
+    from planner.workload import workload_from_model
+
+    megatron = load_target("megatron")
+    cluster = make_cluster("dgx-h100", 1, gpus_per_node=2)
+
+    def block(spec: str, host_s: float, ep: int):
+        w = workload_from_model(spec)[0]
+        target = replace(megatron, constants=replace(megatron.constants, expert_gemm_host_s=host_s))
+        ctxs = layer_contexts(w, ParallelConfig(dp=2, ep=ep, microbatch=1, global_batch=2), cluster, target=target)
+        i = next(i for i, layer in enumerate(w.layers) if layer.kind == "transformer")
+        return w.coster(w.layers[i], ctxs[i])
+
+    moe = "mixtral:layers=2,hidden=64,ffn=128,heads=4,kv_heads=2,vocab=128,seq=16,experts=8,topk=2"
+    for ep in (1, 2):
+        c = block(moe, 1e-3, ep)
+        assert c.fwd_s == pytest.approx(2 * (8 // ep) * 1e-3)
+        assert c.bwd_s == pytest.approx(4 * (8 // ep) * 1e-3)
+    free = block(moe, 0.0, 2)
+    assert free.fwd_s < 1e-4 and free.bwd_s < 2e-4
+    dense = "llama:layers=2,hidden=64,ffn=128,heads=4,kv_heads=2,vocab=128,seq=16"
+    assert block(dense, 1e-3, 1).fwd_s == block(dense, 0.0, 1).fwd_s < 1e-4

@@ -11,6 +11,7 @@ is what the runtime is told to apply. Solutions are memoized per (block, context
 from __future__ import annotations
 
 import logging
+import math
 from typing import Sequence
 
 from costmodel.block_cost import LayerCost, LayerCtx, PricedCollective
@@ -19,6 +20,7 @@ from costmodel.errors import ConfigError, InfeasiblePlanError
 from costmodel.workload import LayerWork
 from planner.search.block_ops import layer_ops_from_block
 from planner.search.block_plan import BlockStrategy, CostOptions, StrategyCache, block_strategy
+from planner.search.strategies import LayerOp
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +35,17 @@ def cost_options(ctx: LayerCtx) -> CostOptions:
                        flash=ctx.flash, softmax_bytes=k.softmax_bytes, fused_memory_bound=k.fused_memory_bound,
                        gemm_dtype=p.gemm_dtype, cast_bytes=p.cast_bytes_per_element, tp_comm_exposed=k.tp_comm_exposed,
                        selective=k.selective_recompute, expert_gemm_efficiency=k.expert_gemm_efficiency)
+
+
+def expert_host_s(ops: Sequence[LayerOp], ctx: LayerCtx) -> tuple[float, float]:
+    """(forward, backward) host seconds the block's experts take to issue: one GEMM per local expert and grouped
+    linear (fc1, fc2: Transformer Engine's GroupedLinear takes the host list ``m_splits`` and runs one cuBLAS
+    GEMM per expert), two per expert and linear in the backward (dgrad, wgrad), ``expert_gemm_host_s`` each.
+    A dropless MoE layer reads its tokens per expert back to the host before these GEMMs, so the host cannot
+    queue them ahead of the device: a pass of the block takes at least this long."""
+    per_gemm = ctx.constants.expert_gemm_host_s
+    local = sum(math.ceil(op.experts / ctx.ep) for op in ops if op.kind == "experts" and op.experts > 0)
+    return 2 * local * per_gemm, 4 * local * per_gemm
 
 
 class GraphCoster:
@@ -130,8 +143,12 @@ class GraphCoster:
             working += self.backward_bytes(layer, s.full_activation_bytes)
         if layer.kind == "head":  # the logits, and what the target's loss holds per logit element at its peak
             working += s.logits_bytes * (1.0 + ctx.constants.loss_bytes_per_logit / self._dtype_bytes)
+        host_f, host_b = expert_host_s(self._ops[(self.block_of(layer).signature, ctx.microbatch)], ctx)
+        if ctx.recompute == "full":  # the recomputed forward issues the experts' GEMMs again
+            rec = max(s.recompute_s, host_f) + d_f
         return LayerCost(
-            fwd_s=s.compute_fwd_s + d_f, bwd_s=s.compute_bwd_s + d_b, wgrad_s=s.wgrad_s, recompute_s=rec,
+            fwd_s=max(s.compute_fwd_s, host_f) + d_f, bwd_s=max(s.compute_bwd_s, host_b) + d_b, wgrad_s=s.wgrad_s,
+            recompute_s=rec,
             comm_fwd=dict(s.comm_s.get("forward", {})), comm_bwd=dict(s.comm_s.get("backward", {})),
             comm_recompute=dict(s.comm_s.get("recompute", {})),
             activation_bytes=s.activation_bytes, working_bytes=max(0.0, working),

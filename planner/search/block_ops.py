@@ -441,6 +441,7 @@ def _to_layer_op(a: _Acc, sc: _Scale, *, heads: tuple[int, int, int] | None, exp
         flops_bwd=a.flops_bwd * sc.tokens + a.attn_flops_bwd * sc.attention,
         bytes_fwd=(a.act_elems * sc.tokens + a.weight_elems) * db,
         out_bytes=out_bytes, dispatch_bytes=dispatch, dispatch_rows=rows,
+        experts=experts if a.kind == "experts" else 0,
         saved_bytes=a.saved_elems * sc.tokens * 2.0,  # measured bytes (bf16-sized units), whatever the trace dtype
         params=int(a.params), param_bytes=float(a.params) * db, shard_dims=shard_dims,
         op_class=a.op_class if a.op_class != "other" else "elementwise",

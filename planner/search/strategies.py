@@ -104,6 +104,8 @@ class LayerOp:
     """Experts: bytes one all-to-all moves (tokens * topk * hidden * dtype bytes)."""
     dispatch_rows: float = 0.0
     """Experts: (token, expert) rows one rank dispatches (tokens * topk)."""
+    experts: int = 0
+    """Experts: how many experts the module holds (before expert parallelism)."""
     mnk: tuple[int, ...] = ()
     """Matmul shape ``(m, n, k)`` (tokens, output features summed over the group, input features)."""
     param_bytes: float = 0.0
