@@ -55,8 +55,8 @@ def backward_excess_by_node(ep: Any, block_of: dict[str, str]) -> dict[str, floa
 
     try:
         with FakeTensorMode(allow_non_fake_inputs=True):
-            args, _ = _fake_inputs(ep, torch, InputKind)
-            return _run_backward(ep, args, block_of, torch)
+            args, frozen = _fake_inputs(ep, torch, InputKind)
+            return _run_backward(ep, args, frozen, block_of, torch)
     except Exception as e:  # noqa: BLE001 - any failure leaves the backward's working bytes unpriced
         log.warning("could not replay the exported graph's backward on fake tensors (%s: %s); the backward's "
                     "working bytes are not priced", type(e).__name__, str(e).splitlines()[0][:200])
@@ -100,7 +100,8 @@ def _live_storages(torch: Any) -> Any:
     return _LiveStorages
 
 
-def _run_backward(ep: Any, args: list[Any], block_of: dict[str, str], torch: Any) -> dict[str, float]:
+def _run_backward(ep: Any, args: list[Any], frozen: set[int], block_of: dict[str, str],
+                  torch: Any) -> dict[str, float]:
     params = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
     grad_fns: dict[Any, str] = {}
     excess: dict[str, float] = {}
@@ -130,6 +131,13 @@ def _run_backward(ep: Any, args: list[Any], block_of: dict[str, str], torch: Any
     class _Forward(_cpu_interpreter(torch)):
         def run_node(self, n: Any) -> Any:
             out = super().run_node(n)
+            if n.op == "call_function" and _from_weights(n, self.env, frozen, torch):
+                frozen.update(_storage(t) for t in _tensors(out, torch))
+                if str(n.target).startswith(_GATHERS) and isinstance(out, torch.Tensor):
+                    # a per-token gather of stacked expert weights (HF ``batched_mm``): grouped-GEMM kernels, which
+                    # the runtime and every target run, read the weights in place and write the weight gradient into
+                    # the parameter's (model states), so the gradient of T*k weight copies is never made
+                    out = out.detach()
             if n.op == "call_function":
                 for t in _tensors(out, torch):
                     fn = t.grad_fn
