@@ -761,9 +761,13 @@ def _memory(workload: Workload, cfg: ParallelConfig, ch: dict[str, np.ndarray], 
     grad_per_param = np.array([mode.term_bytes_per_param(cfg.dp * cfg.cp)["gradients"] for mode in modes])
     terms["gradients"] = terms["gradients"] + _per_rank(ch["embgrad"], v, pp) * grad_per_param
     tokens = cfg.microbatch * w.seq / cfg.cp
-    terms["activations"] = (_per_rank(ch["act"], v, pp) * inflight + _per_rank(ch["work"], v, pp, "max")
+    # transient bytes: a block's backward working bytes, and on the head's rank the logits and the loss's
+    # buffers, which the head's backward frees before any block's backward starts: the larger of the two
+    head = _per_rank(ch["head_work"], v, pp, "max")
+    terms["activations"] = (_per_rank(ch["act"], v, pp) * inflight
+                            + np.maximum(_per_rank(ch["work"], v, pp, "max") - head, 0.0)
                             + stage_output_bytes(w, cfg, target.constants, inflight))
-    terms["logits"] = _per_rank(ch["head_work"], v, pp, "max")
+    terms["logits"] = head
     # tensor-parallel collective buffers; DDP's gradient buckets are in the layout's gradient bytes
     buffers = 2.0 * tokens * w.hidden * w.dtype_bytes if cfg.tp > 1 else 0.0
     buffers = np.full(pp, buffers)
