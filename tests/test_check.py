@@ -277,3 +277,18 @@ def test_check_builds_no_causal_mask_where_the_runtime_builds_none():
     assert mask(fake=True) is not None  # what check replayed before
     with _no_packed_sequences():
         assert mask(fake=True) is None
+
+
+@pytest.mark.planner
+def test_stacked_experts_shard_in_whole_rows():
+    """transformers' Mixtral stores each expert projection as one (experts, ...) parameter; FSDP2 shards it along
+    the experts in whole rows, so with 4 experts over 8 ranks rank 0 holds one expert (1/4, not 1/8): the
+    prediction (``costmodel.step.expert_shard_degree``) holds what check measures."""
+    from costmodel.profiles import make_cluster
+    from planner.search.driver import plan_model
+
+    moe = "mixtral:layers=2,hidden=256,ffn=704,heads=4,kv_heads=4,vocab=1024,seq=128,experts=4,topk=2"
+    plan = plan_model(moe, make_cluster("local", 1, gpus_per_node=8), global_batch=8, fix="dp=8,zero=3,tp=1,pp=1")
+    m = _in_child(_check_rank, plan, 0)
+    for cat in ("parameters", "optimizer"):
+        assert m.predicted[cat] == pytest.approx(m.measured[cat], rel=0.001), cat
