@@ -446,7 +446,9 @@ def replayed_microbatches(plan: Plan, requested: str | int = "auto", pp_rank: in
     """How many of the plan's micro-batches pipeline rank ``pp_rank`` replays (None: the first, which replays
     the most). ``all``: every one. ``auto``: all under GPipe (every forward is in flight before the first
     backward) and without a pipeline; 1F1B the rank's warm-up (``pp - pp_rank`` forwards) and 2 micro-batches of
-    steady state; the interleaved / zero-bubble schedules ``3 pp`` in whole rounds of pp.
+    steady state; the interleaved / zero-bubble schedules ``2 pp`` (whole rounds of pp): a rank's warm-up is at
+    most ``(v - 1) pp + 2 (pp - 1)`` of the ``2 pp v`` chunk forwards (``costmodel.pipeline.inflight_array``),
+    which leaves at least ``(v - 1) pp + 2`` steady (backward, forward) pairs, the same argument as below.
 
     Why 1F1B's peak is reached by then: after the warm-up a 1F1B stage alternates one backward and one forward,
     so the micro-batches in flight go w, w - 1, w, ... (w the warm-up) and each (backward, forward) pair frees
@@ -461,7 +463,7 @@ def replayed_microbatches(plan: Plan, requested: str | int = "auto", pp_rank: in
     if requested == "auto":
         if name == "1f1b":
             return min(n, pp - (pp_rank or 0) + 2)
-        want = 3 * pp
+        want = 2 * pp
     else:
         try:
             want = int(requested)
