@@ -683,13 +683,26 @@ def _model_states(workload: Workload, cfg: ParallelConfig, target: Target, dense
     weights under ZeRO-3)."""
     extra = target.constants.precision(cfg.precision).weight_bytes_per_param
     terms = {t: np.zeros(cfg.pp) for t in ("weights", "gradients", "optimizer")}
-    for params, d in ((dense, cfg.dp * cfg.cp), (expert, max(1, cfg.dp // cfg.ep) * cfg.cp)):
+    for params, d in ((dense, cfg.dp * cfg.cp), (expert, expert_shard_degree(workload, cfg))):
         per = [mode.term_bytes_per_param(d) for mode in modes]
         for key in terms:
             b = np.array([p[key] + (extra / (d if cfg.zero_stage == 3 else 1) if key == "weights" else 0.0)
                           for p in per])
             terms[key] = terms[key] + params * b
     return terms
+
+
+def expert_shard_degree(workload: Workload, cfg: ParallelConfig) -> float:
+    """The degree the expert parameters' sharded states are divided by: the ranks holding the same experts
+    (dp / ep, times cp). Experts stored stacked (one ``(experts, ...)`` parameter per projection,
+    ``workload.meta["stacked_experts"]``) are sharded by FSDP2 along the expert dimension in whole rows, each
+    rank's shard padded to ``ceil(local experts / ranks)`` of them: with fewer local experts than ranks (or a
+    remainder) a shard is more than 1 / ranks of them, as if divided by ``local / ceil(local / ranks)``."""
+    d = max(1, cfg.dp // cfg.ep) * cfg.cp
+    local = workload.experts // max(1, cfg.ep) if workload.experts else 0
+    if not workload.meta.get("stacked_experts") or local < 1:
+        return float(d)
+    return local / math.ceil(local / d)
 
 
 def fsdp_buffer_bytes(*, zero_stage: int, dp: int, block_params: float, root_params: float,
@@ -761,9 +774,13 @@ def _memory(workload: Workload, cfg: ParallelConfig, ch: dict[str, np.ndarray], 
     grad_per_param = np.array([mode.term_bytes_per_param(cfg.dp * cfg.cp)["gradients"] for mode in modes])
     terms["gradients"] = terms["gradients"] + _per_rank(ch["embgrad"], v, pp) * grad_per_param
     tokens = cfg.microbatch * w.seq / cfg.cp
-    terms["activations"] = (_per_rank(ch["act"], v, pp) * inflight + _per_rank(ch["work"], v, pp, "max")
+    # transient bytes: a block's backward working bytes, and on the head's rank the logits and the loss's
+    # buffers, which the head's backward frees before any block's backward starts: the larger of the two
+    head = _per_rank(ch["head_work"], v, pp, "max")
+    terms["activations"] = (_per_rank(ch["act"], v, pp) * inflight
+                            + np.maximum(_per_rank(ch["work"], v, pp, "max") - head, 0.0)
                             + stage_output_bytes(w, cfg, target.constants, inflight))
-    terms["logits"] = _per_rank(ch["head_work"], v, pp, "max")
+    terms["logits"] = head
     # tensor-parallel collective buffers; DDP's gradient buckets are in the layout's gradient bytes
     buffers = 2.0 * tokens * w.hidden * w.dtype_bytes if cfg.tp > 1 else 0.0
     buffers = np.full(pp, buffers)

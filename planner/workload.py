@@ -68,6 +68,10 @@ def workload_from_graph(graph: OpGraph, dims: ModelDims, *, name: str, batch: in
         "traced_layers": graph.traced_layers,
         "unsupported_ops": dict(graph.unsupported),
         "pipeline_blocker": pipeline_blocker(graph, blocks),
+        # experts stored as stacked (experts, ...) parameters (transformers' MixtralExperts): FSDP2 shards them
+        # along the expert dimension, padded to whole rows per rank
+        "stacked_experts": bool(dims.experts) and any(
+            len(shape) >= 3 and shape[0] == dims.experts for n in graph.nodes for _, shape, _ in n.params),
     }
     dtype_bytes = _DTYPE_BYTES.get(dtype, 4)
     coster = GraphCoster(graph=graph, blocks=blocks, seq=dims.seq, dtype_bytes=dtype_bytes)

@@ -4,6 +4,7 @@ bad plan files; which ranks are distinct; ``validate``'s live-byte peak on 2 ran
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 
@@ -245,8 +246,49 @@ def test_replayed_microbatches_choices():
 
     plan = _plan("pp=2,dp=1,tp=1,mb=1,schedule=1f1b,zero=0", gpus=2, batch=16)
     assert replayed_microbatches(plan, "all") == 16 and replayed_microbatches(plan) == 4
+    # 1F1B: the rank's warm-up (pp - pp_rank forwards) and two steady micro-batches
+    assert replayed_microbatches(plan, pp_rank=0) == 4 and replayed_microbatches(plan, pp_rank=1) == 3
     assert replayed_microbatches(plan, 5) == 6 and replayed_microbatches(plan, 1) == 2  # whole rounds, >= pp
     gpipe = dataclasses.replace(plan, schedule=dataclasses.replace(plan.schedule, name="gpipe"))
     assert replayed_microbatches(gpipe) == 16  # every forward is in flight before the first backward
     with pytest.raises(ConfigError, match="give auto, all or a number"):
         replayed_microbatches(plan, "most")
+
+
+def test_check_builds_no_causal_mask_where_the_runtime_builds_none():
+    """transformers cannot read fake position ids, assumes packed sequences and builds a (B, 1, T, T) mask per
+    call; on the runtime's real ``arange`` position ids it builds none (SDPA's ``is_causal``): check matches."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers.masking_utils import create_causal_mask
+
+    from cli.commands.validate import build_model_for
+    from runtime.measure.memcheck import _no_packed_sequences
+
+    config = build_model_for(SMALL, 2, 256).config
+    assert config._attn_implementation == "sdpa"
+
+    def mask(fake: bool):
+        with FakeTensorMode() if fake else contextlib.nullcontext():
+            return create_causal_mask(config=config, inputs_embeds=torch.zeros(2, 256, 8), attention_mask=None,
+                                      cache=None, position_ids=torch.arange(256).unsqueeze(0))
+
+    assert mask(fake=False) is None  # what the runtime runs
+    assert mask(fake=True) is not None  # what check replayed before
+    with _no_packed_sequences():
+        assert mask(fake=True) is None
+
+
+@pytest.mark.planner
+def test_stacked_experts_shard_in_whole_rows():
+    """transformers' Mixtral stores each expert projection as one (experts, ...) parameter; FSDP2 shards it along
+    the experts in whole rows, so with 4 experts over 8 ranks rank 0 holds one expert (1/4, not 1/8): the
+    prediction (``costmodel.step.expert_shard_degree``) holds what check measures."""
+    from costmodel.profiles import make_cluster
+    from planner.search.driver import plan_model
+
+    moe = "mixtral:layers=2,hidden=256,ffn=704,heads=4,kv_heads=4,vocab=1024,seq=128,experts=4,topk=2"
+    plan = plan_model(moe, make_cluster("local", 1, gpus_per_node=8), global_batch=8, fix="dp=8,zero=3,tp=1,pp=1")
+    m = _in_child(_check_rank, plan, 0)
+    for cat in ("parameters", "optimizer"):
+        assert m.predicted[cat] == pytest.approx(m.measured[cat], rel=0.001), cat

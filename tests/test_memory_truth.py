@@ -365,3 +365,57 @@ def test_vocab_sharded_embedding_gradient_is_the_whole_table():
     est = estimate_step(_workload()[0], ParallelConfig(tp=2, microbatch=1, global_batch=1),
                         make_cluster("local", 1, gpus_per_node=2))
     assert est.memory.terms["gradients"] == pytest.approx(got, rel=0.01)
+
+
+def test_a_norm_keeps_its_fp32_input_and_bf16_output():
+    """Hugging Face's RMSNorm upcasts its input to fp32 and casts the normalized result back: autograd keeps the
+    fp32 copy and the bf16 result (its weight's multiply), 6 bytes per element on a bf16 trace. The norm op the
+    sharding ILP prices holds every byte its module's ops save (the casts too), so a block without
+    recomputation keeps what the traced graph saves."""
+    from costmodel.step import layer_contexts
+    from planner.search.block_ops import layer_ops_from_block
+    from planner.workload import workload_from_model
+
+    w, _ = workload_from_model(SPEC)
+    coster = w.coster
+    graph = coster._graph
+    layer = next(x for x in w.layers if x.kind == "transformer")
+    block = coster.block_of(layer)
+    ops = layer_ops_from_block(block, graph, microbatch=1, seq=SEQ)
+    elems = SEQ * 256  # tokens x hidden of the traced micro-batch
+    for norm in (o for o in ops if o.kind == "norm"):
+        traced = sum(n.saved_bytes or 0.0 for n in graph.nodes
+                     if n.block == block.name and n.module_fqn.endswith(norm.modules[0]))
+        assert norm.saved_bytes == pytest.approx(traced)
+        assert norm.saved_bytes >= 8 * elems  # fp32 input + bf16 output + the bf16 product the next linear keeps
+    traced_block = sum(n.saved_bytes or 0.0 for n in graph.nodes if n.block == block.name)
+    cfg = ParallelConfig(tp=1, pp=1, dp=1, microbatch=1, global_batch=1, recompute="none")
+    ctx = layer_contexts(w, cfg, make_cluster("local", 1, gpus_per_node=1))[list(w.layers).index(layer)]
+    assert coster(layer, ctx).activation_bytes == pytest.approx(traced_block, rel=0.01)
+
+
+def test_the_head_rank_holds_the_larger_of_logits_and_a_block_backward():
+    """The head's backward frees the logits and the loss's buffers before a block's backward starts: the last
+    pipeline rank holds the larger of those and a block's backward working bytes, not both."""
+    import costmodel.step as cs
+    from planner.workload import workload_from_model
+
+    w, _ = workload_from_model(SPEC)
+    cfg = ParallelConfig(tp=1, pp=2, dp=1, microbatch=1, global_batch=4, schedule="1f1b")
+    got = {}
+    saved = cs._memory
+
+    def spy(*a, **kw):
+        got["terms"], got["chunks"] = saved(*a, **kw)[0], a[2]
+        return saved(*a, **kw)
+
+    cs._memory = spy
+    try:
+        estimate_step(w, cfg, make_cluster("local", 1, gpus_per_node=2))
+    finally:
+        cs._memory = saved
+    ch, t = got["chunks"], got["terms"]
+    work, head = float(ch["work"][-1]), float(ch["head_work"][-1])
+    assert head > 0 and work > 0
+    kept = t["activations"][-1] + t["logits"][-1] - max(work, head)
+    assert kept == pytest.approx(float(ch["act"][-1]) * 1.0)  # the last stage's one micro-batch in flight

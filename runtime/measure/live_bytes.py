@@ -24,10 +24,15 @@ from typing import Any, Iterable, Iterator
 import torch
 import torch.distributed._tools.fake_collectives  # noqa: F401 - fake impls of c10d ops under FakeTensorMode
 from torch._guards import active_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter, FakeTensor)
+"""Tensor types whose storage is their own (``untyped_storage()``); other subclasses go through
+``get_untyped_storages`` (wrapper subclasses: their inner tensors)."""
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries", "comm_buffers", "other")
 """parameters: this rank's local parameter shards; gradients: their gradients (and FSDP2's unsharded,
@@ -44,6 +49,7 @@ class LiveBytes(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self._live: dict[int, list] = {}  # storage key -> [nbytes, category]
+        self._refs: dict[int, weakref.ref] = {}  # storage key -> weak reference to the storage
         self.by_category: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
         self.total = 0
         self.peak = 0
@@ -60,7 +66,7 @@ class LiveBytes(TorchDispatchMode):
         return st._cdata
 
     def _add_storage(self, st: torch.UntypedStorage, category: str) -> None:
-        key = self._key(st)
+        key = st._cdata
         entry = self._live.get(key)
         nbytes = st.nbytes()
         if entry is not None:
@@ -69,8 +75,30 @@ class LiveBytes(TorchDispatchMode):
             return
         entry = [0, category]
         self._live[key] = entry
-        weakref.finalize(st, self._free, key)
+        # a plain weak reference with a callback (what weakref.finalize wraps, without its registry): the
+        # storage's Python object lives as long as the storage
+        self._refs[key] = weakref.ref(st, functools.partial(self._freed, key))
         self._change(entry, nbytes)
+
+    def _add_tensor(self, x: torch.Tensor, category: str) -> None:
+        if type(x) in _PLAIN:
+            self._add_storage(x.untyped_storage(), category)
+        else:  # a wrapper subclass (DTensor): its inner tensors' storages
+            for st in get_untyped_storages(x):
+                self._add_storage(st, category)
+
+    def _add_out(self, out: Any, category: str) -> None:
+        """Count what an op returned: a tensor or a (nested) tuple / list of them, else any pytree."""
+        if isinstance(out, torch.Tensor):
+            self._add_tensor(out, category)
+        elif isinstance(out, (tuple, list)):
+            for x in out:
+                if isinstance(x, torch.Tensor):
+                    self._add_tensor(x, category)
+                elif x is not None and not isinstance(x, (int, float, bool)):
+                    self._add_out(x, category)
+        elif out is not None and not isinstance(out, (int, float, bool)):
+            tree_map_only(torch.Tensor, lambda x: self._add_tensor(x, category), out)
 
     def _change(self, entry: list, delta: int) -> None:
         entry[0] += delta
@@ -81,6 +109,11 @@ class LiveBytes(TorchDispatchMode):
             self.peak_by_category = dict(self.by_category)
             self.peak_where = self.where
 
+    def _freed(self, key: int, ref: Any) -> None:
+        if self._refs.get(key) is ref:
+            del self._refs[key]
+            self._free(key)
+
     def _free(self, key: int) -> None:
         entry = self._live.pop(key, None)
         if entry is not None:
@@ -89,8 +122,7 @@ class LiveBytes(TorchDispatchMode):
 
     def add(self, t: Any, category: str | None = None) -> None:
         """Count the storages of ``t`` (tensors in any nesting, DTensor's local shards) if not yet counted."""
-        cat = category or self.category
-        tree_map_only(torch.Tensor, lambda x: [self._add_storage(st, cat) for st in get_untyped_storages(x)], t)
+        self._add_out(t, category or self.category)
 
     def relabel(self, t: Any, category: str) -> None:
         """Move the storages of ``t`` to ``category`` (counting them first if they are not yet counted)."""
@@ -159,7 +191,7 @@ class LiveBytes(TorchDispatchMode):
             return NotImplemented  # let DTensor run its local ops, which come back here
         out = func(*args, **(kwargs or {}))
         if active_fake_mode() is self._fake_on_entry:
-            self.add(out)
+            self._add_out(out, self.category)
         return out
 
 

@@ -280,10 +280,40 @@ def _fake_runtime(fake: Any, mt: LiveBytes) -> Iterator[None]:
     saved_ep = rep._ep_forward
     rp.materialize, rdp.DistributedDataParallel, rep._ep_forward = materialize, FakeDDP, _ep_forward_balanced
     try:
-        yield
+        with _no_packed_sequences():
+            yield
     finally:
         rp.materialize, rdp.DistributedDataParallel = saved
         rep._ep_forward = saved_ep
+
+
+@contextlib.contextmanager
+def _no_packed_sequences() -> Iterator[None]:
+    """transformers' mask builders look for packed sequences in the position ids
+    (``masking_utils.find_packed_sequence_indices``) and, when they cannot read the values (fake tensors count as
+    tracing), assume packing and build a (B, 1, T, T) boolean mask per call, i.e. per micro-batch and chunk. The
+    runtime's position ids are ``arange(T)`` per row (an unpadded causal LM, ``runtime.model_adapters``; the model's
+    own forward makes the same from ``cache_position``): on real tensors the check finds one sequence per row and
+    SDPA runs ``is_causal`` with no mask. Under ``autopar check`` a fake position-id tensor is taken as that."""
+    try:
+        import transformers.masking_utils as mu
+    except ImportError:
+        yield
+        return
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    saved = mu.find_packed_sequence_indices
+
+    def find_packed_sequence_indices(position_ids: torch.Tensor) -> torch.Tensor | None:
+        if isinstance(position_ids, FakeTensor):
+            return None
+        return saved(position_ids)
+
+    mu.find_packed_sequence_indices = find_packed_sequence_indices
+    try:
+        yield
+    finally:
+        mu.find_packed_sequence_indices = saved
 
 
 def _ep_forward_balanced(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -412,18 +442,28 @@ def _init_optimizer_states(opt: Any, params: list[nn.Parameter]) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def replayed_microbatches(plan: Plan, requested: str | int = "auto") -> int:
-    """How many of the plan's micro-batches a pipelined rank replays. ``all``: every one. ``auto``: all under
-    GPipe (every forward is in flight before the first backward) and without a pipeline; 1F1B ``2 pp`` and the
-    interleaved / zero-bubble schedules ``3 pp`` (at least the warm-up, whole rounds of steady 1F1B and the
-    cool-down: from the warm-up on, each steady round frees what it allocates, so more rounds repeat the same
-    bytes; ``tests/test_check.py`` compares the peaks of replaying some and all). A number: at most that many
-    (at least what the schedule needs)."""
+def replayed_microbatches(plan: Plan, requested: str | int = "auto", pp_rank: int | None = None) -> int:
+    """How many of the plan's micro-batches pipeline rank ``pp_rank`` replays (None: the first, which replays
+    the most). ``all``: every one. ``auto``: all under GPipe (every forward is in flight before the first
+    backward) and without a pipeline; 1F1B the rank's warm-up (``pp - pp_rank`` forwards) and 2 micro-batches of
+    steady state; the interleaved / zero-bubble schedules ``2 pp`` (whole rounds of pp): a rank's warm-up is at
+    most ``(v - 1) pp + 2 (pp - 1)`` of the ``2 pp v`` chunk forwards (``costmodel.pipeline.inflight_array``),
+    which leaves at least ``(v - 1) pp + 2`` steady (backward, forward) pairs, the same argument as below.
+
+    Why 1F1B's peak is reached by then: after the warm-up a 1F1B stage alternates one backward and one forward,
+    so the micro-batches in flight go w, w - 1, w, ... (w the warm-up) and each (backward, forward) pair frees
+    what the pair before it allocated; the one thing a pair keeps is the parameters' gradients, made by the first
+    backward and accumulated in place from the second on. The second steady pair is therefore the first in the
+    periodic state, every later pair repeats its bytes, and the cool-down (replayed: the last backward's gradient
+    reduction) holds fewer micro-batches. ``tests/test_check.py`` compares the peaks of ``auto`` and ``all``.
+    A number: at most that many (at least what the schedule needs)."""
     n, pp, name = plan.schedule.num_microbatches, plan.degrees.pp, plan.schedule.name
     if requested == "all" or pp == 1 or name == "gpipe":
         return n
     if requested == "auto":
-        want = 2 * pp if name == "1f1b" else 3 * pp
+        if name == "1f1b":
+            return min(n, pp - (pp_rank or 0) + 2)
+        want = 2 * pp
     else:
         try:
             want = int(requested)
@@ -487,7 +527,7 @@ def _replay_pipeline(pm: Any, plan: Plan, mt: LiveBytes, *, vocab: int, hidden: 
     runner = pm.pipeline
     stages = {s.stage_index: s for s in runner.stages}
     all_mb, mb = plan.schedule.num_microbatches, plan.schedule.microbatch_size
-    n_mb = replayed_microbatches(plan, microbatches)
+    n_mb = replayed_microbatches(plan, microbatches, runner.pp_rank)
     seq = max(plan.model.seq_len, 1) // plan.degrees.cp
     # the dtype of the hidden states crossing a stage: bf16 where FSDP2 gathers bf16 parameters, else the
     # parameters' (fp32 under autocast: the embedding's output and the residual stream stay fp32)
@@ -496,8 +536,8 @@ def _replay_pipeline(pm: Any, plan: Plan, mt: LiveBytes, *, vocab: int, hidden: 
     dtype = torch.bfloat16 if fsdp_bf16 else next(iter(pm.parameters())).dtype
     notes: list[str] = []
     if n_mb < all_mb:
-        notes.append(f"replayed {n_mb} of the plan's {all_mb} micro-batches (warm-up, steady 1F1B rounds, cool-down; "
-                     f"the rounds between repeat the same bytes), receive buffers allocated for all {all_mb}; "
+        notes.append(f"replayed {n_mb} of the plan's {all_mb} micro-batches (warm-up, steady 1F1B, cool-down; "
+                     f"the steady micro-batches between repeat the same bytes), receive buffers allocated for all {all_mb}; "
                      "--microbatches all replays every one")
     with mt.phase("comm_buffers", "pipeline receive buffers"):
         recv = {(i, j): torch.empty(mb, seq, hidden, dtype=dtype)
