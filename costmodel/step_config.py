@@ -77,6 +77,9 @@ class StepConstants:
     - ``loss_bytes_per_logit``: what the loss holds per logit element besides the logits themselves, at its
       peak (the start of its backward): eager cross-entropy keeps the fp32 log-softmax output and makes its
       incoming and outgoing gradients in fp32 (12); a fused vocab-parallel cross-entropy one fp32 buffer (4).
+    - ``vocab_parallel_loss_bytes_per_logit``: the same for the loss over vocabulary-sharded logits (a
+      tensor-parallel head whose loss reads its local shard), per local logit element: DTensor's
+      ``loss_parallel`` keeps more than eager cross-entropy (16 against 12).
 
     Overlaps:
 
@@ -129,6 +132,7 @@ class StepConstants:
     elementwise_ffn_bytes: float
     optimizer_bytes_per_param: float
     loss_bytes_per_logit: float
+    vocab_parallel_loss_bytes_per_logit: float
     overlap_slowdown: float
     overlap_param_gather: bool
     tp_comm_exposed: float

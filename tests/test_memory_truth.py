@@ -264,6 +264,41 @@ def test_eager_cross_entropy_holds_what_the_target_prices_per_logit():
         assert per_logit == pytest.approx(size + k.loss_bytes_per_logit, rel=0.05), (dtype, per_logit)
 
 
+def test_vocab_parallel_loss_holds_what_the_target_prices_per_logit():
+    """A vocab-sharded head (the runtime's ``vocab_head`` style, tp2 on the fake group) under ``loss_parallel``
+    holds, at the start of its backward, the local logits plus autopar's ``vocab_parallel_loss_bytes_per_logit``
+    (16) per local logit element: more than eager cross-entropy's 12, bf16 and fp32 logits."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+
+    from runtime.tensor_parallel import _style_object
+
+    k = load_target("autopar").constants
+    assert k.vocab_parallel_loss_bytes_per_logit > k.loss_bytes_per_logit
+    tokens, hidden, vocab = 256, 32, 4096
+    _fake_group(2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2)):
+            head = torch.nn.Linear(hidden, vocab, bias=False).to(dtype)
+            head = parallelize_module(head, mesh, _style_object("vocab_head", sp=False, in_region=False,
+                                                                loss_parallel_ok=True))
+            x = torch.randn(1, tokens, hidden, dtype=dtype, requires_grad=True)
+            y = torch.randint(0, vocab, (1, tokens))
+            counter = LiveBytes()
+            with counter, counter.phase("activations", "loss"):
+                logits = head(x)
+                with loss_parallel():
+                    _loss(logits, y).backward()
+            local = head.weight.to_local()
+            other = 2 * local.numel() * local.element_size() + 2 * x.numel() * x.element_size()
+            per_logit = (counter.peak - other) / (tokens * vocab / 2)
+            assert per_logit == pytest.approx(size + k.vocab_parallel_loss_bytes_per_logit, rel=0.05), (dtype,
+                                                                                                       per_logit)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_fsdp_buffers_follow_the_stage():
     kw = dict(dp=8, block_params=1e6, root_params=3e5, grad_bytes=4.0, gather_bytes=2.0)
     assert fsdp_buffer_bytes(zero_stage=1, reduce_per_microbatch=False, **kw) == (0.0, 0.0)  # after the peak
