@@ -86,6 +86,9 @@ def small_rows(only: str | None = None) -> list[dict]:
                    peak_where=fullest.peak_live_where, rank=fullest.rank, seconds=time.perf_counter() - t0)
         rows.append(row)
         print(_format_small(row), file=sys.stderr, flush=True)
+        print(f"{'':<22} measured at the peak: " + ", ".join(
+            f"{k} {v:.3f}" for k, v in row["measured_by_category_gb"].items() if v) + "; predicted: " + ", ".join(
+            f"{k} {v:.3f}" for k, v in row["predicted_terms_gb"].items() if v), file=sys.stderr, flush=True)
     return rows
 
 

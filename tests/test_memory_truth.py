@@ -180,6 +180,59 @@ def test_each_category_is_what_the_runtime_allocates(name, zero, m):
     assert counter.peak == pytest.approx(est.memory_gb_per_device * 1e9, rel=0.10), (counter.peak, got, pred)
 
 
+@pytest.mark.parametrize("zero", [0, 2, 3], ids=["ddp", "zero2", "zero3"])
+def test_one_microbatch_peaks_before_gradients_under_autocast(zero):
+    """One micro-batch a step, fp32 parameters under bf16 autocast (what ``autopar validate`` runs on CPU ranks):
+    the peak is at the start of the loss backward, with no parameter gradient live (they are freed after each
+    step and made by the backward; DDP's bucket, made in the forward, is), and autocast's cached bf16 copy of
+    every matmul weight (2 B per parameter outside the embedding) live; the step model prices that phase
+    (``gradients_freed_between_steps``, ``autocast_weight_copies``) from the bf16-traced workload, as the planner
+    does, within 10%."""
+    from planner.workload import workload_from_model
+    from runtime.apply import apply_plan
+    from runtime.manual_plan import manual_plan
+
+    mb, dp = 4, 2
+    _fake_group(dp)
+    try:
+        model = _model()
+        plan = manual_plan(model, dp=dp, zero_stage=zero, num_microbatches=1, microbatch_size=mb, seq_len=SEQ)
+        mt = LiveBytes()
+        with fsdp_comm_labels(mt):
+            with mt, mt.phase("other", "setup"):
+                pm = apply_plan(model, plan, loss_fn=_loss)
+            _ddp_no_op_hook(pm.module)
+            params = list(pm.parameters())
+            opt = torch.optim.AdamW(params, lr=1e-3)
+            g = torch.Generator().manual_seed(1)
+            x, y = (torch.randint(0, VOCAB, (mb, SEQ), generator=g) for _ in range(2))
+
+            class _Autocast:
+                def step(self, *batch):
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        return pm.step(*batch)
+
+            count_steps(_Autocast(), [pm.module], params, opt, batch := (x, y), mt)
+    finally:
+        dist.destroy_process_group()
+    assert batch
+    got = mt.peak_by_category
+    n = sum(p.numel() for p in _model().parameters())
+    # early in the backward: at most the head's and the last layer's first gradients
+    assert got["gradients"] < 0.2 * 4.0 * n and "forward / backward" in mt.peak_where, got
+    wl, _ = workload_from_model(SPEC)  # bf16, as the planner traces
+    est = estimate_step(wl, ParallelConfig(dp=dp, zero_stage=zero, microbatch=mb, global_batch=dp * mb),
+                        make_cluster("local", 1, gpus_per_node=dp))
+    terms = est.memory.terms
+    emb = _model().model.embed_tokens.weight.numel()
+    assert terms["weight_casts"] == pytest.approx(2.0 * (n - emb), rel=0.01)
+    if zero == 0:  # DDP's bucket is the gradient term at that phase
+        assert terms["gradients"] == pytest.approx(4.0 * n, rel=0.01)
+    else:
+        assert terms["gradients"] == 0.0
+    assert mt.peak == pytest.approx(est.memory_gb_per_device * 1e9, rel=0.10), (mt.peak, got, terms)
+
+
 def test_zero1_and_zero2_differ_in_gradient_accumulation_and_traffic():
     """ZeRO-1 keeps the full gradient over the micro-batches and reduces once; ZeRO-2 reduce-scatters each
     micro-batch into the shard: the search weighs m reductions against 4 B per parameter."""

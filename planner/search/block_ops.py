@@ -165,6 +165,8 @@ class _Builder:
         weights = [p for p in n.params if len(p[1]) >= 2]
         if n.target.startswith(_ALIASES) and len(ins) <= 1 and not n.params:
             self.rep[n.name] = ins[0] if ins else None  # type: ignore[assignment]  # same tensor, no layout change
+            if ins and ins[0] in self.ops and n.saved_bytes:  # a copy the backward keeps (RMSNorm's fp32 upcast
+                self.ops[ins[0]].saved_elems += _saved_elems(n, 0.0)  # of its input): kept in its input's layout
         elif n.module_fqn in self.norm_modules and n.op_class != "attention":  # (a module holding a 1-D
             self._norm(n, ins)  # parameter beside its attention, GPT-OSS's sinks, is not a norm around it)
         elif self._expert_module(n.module_fqn):
