@@ -175,9 +175,12 @@ def test_each_category_is_what_the_runtime_allocates(name, zero, m):
     # everything else (activations, the backward's working bytes, logits, buffers) as a whole
     states = got["parameters"] + copy + got["optimizer"] + min(got["gradients"], n * 4.0 if zero < 2 else shard)
     rest_got = counter.peak - states
-    rest_pred = est.memory_gb_per_device * 1e9 - n * layer.bytes_per_param(WORLD) + bucket
+    # these steps run the fp32 model without autocast: none of the bf16 weight copies priced for CPU ranks
+    # (which autopar validate runs under autocast)
+    casts = pred["weight_casts"]
+    rest_pred = est.memory_gb_per_device * 1e9 - n * layer.bytes_per_param(WORLD) + bucket - casts
     assert rest_got == pytest.approx(rest_pred, rel=0.25), (rest_got, rest_pred, got, pred)
-    assert counter.peak == pytest.approx(est.memory_gb_per_device * 1e9, rel=0.10), (counter.peak, got, pred)
+    assert counter.peak == pytest.approx(est.memory_gb_per_device * 1e9 - casts, rel=0.10), (counter.peak, got, pred)
 
 
 @pytest.mark.parametrize("zero", [0, 2, 3], ids=["ddp", "zero2", "zero3"])
@@ -450,6 +453,7 @@ def test_vocab_sharded_embedding_gradient_is_the_whole_table():
         got = sum(g.numel() * g.element_size() for g in grads.values())
     finally:
         dist.destroy_process_group()
-    est = estimate_step(_workload()[0], ParallelConfig(tp=2, microbatch=1, global_batch=1),
+    # two micro-batches: the gradients are live at the priced peak (with one, it is the backward's start)
+    est = estimate_step(_workload()[0], ParallelConfig(tp=2, microbatch=1, global_batch=2),
                         make_cluster("local", 1, gpus_per_node=2))
     assert est.memory.terms["gradients"] == pytest.approx(got, rel=0.01)
