@@ -1,6 +1,6 @@
 """Predicted vs measured peak memory per device (issue "Memory truth", target: within 10%).
 
-``python -m benchmarks.memory_fidelity [--small-only | --full-only] [--json FILE]``
+``python -m benchmarks.memory_fidelity [--small-only | --full-only] [--only NAME] [--json FILE]``
 
 Small plans (each made by the planner with ``--fix`` for 2-4 local CPU ranks, as ``autopar validate`` runs
 them): the small Llama ``SMALL`` (21M parameters) at global batch 8 as DDP, ZeRO-2, ZeRO-3, tp2, tp2 + SP, pp2
@@ -56,7 +56,7 @@ def _label(plan) -> str:
         f" {plan.schedule.name} mb{plan.schedule.microbatch_size}x{plan.schedule.num_microbatches}"
 
 
-def small_rows() -> list[dict]:
+def small_rows(only: str | None = None) -> list[dict]:
     from cli.commands.validate import build_model_for
     from costmodel.profiles import make_cluster
     from planner.search.driver import plan_model
@@ -64,6 +64,8 @@ def small_rows() -> list[dict]:
 
     rows = []
     for name, spec, ranks, fix in SMALL_CASES:
+        if only is not None and only.lower() not in name.lower():
+            continue
         t0 = time.perf_counter()
         row: dict = {"case": name, "model": spec, "fix": fix}
         try:
@@ -84,16 +86,21 @@ def small_rows() -> list[dict]:
                    peak_where=fullest.peak_live_where, rank=fullest.rank, seconds=time.perf_counter() - t0)
         rows.append(row)
         print(_format_small(row), file=sys.stderr, flush=True)
+        print(f"{'':<22} measured at the peak: " + ", ".join(
+            f"{k} {v:.3f}" for k, v in row["measured_by_category_gb"].items() if v) + "; predicted: " + ", ".join(
+            f"{k} {v:.3f}" for k, v in row["predicted_terms_gb"].items() if v), file=sys.stderr, flush=True)
     return rows
 
 
-def full_rows() -> list[dict]:
+def full_rows(only: str | None = None) -> list[dict]:
     from costmodel.profiles import make_cluster
     from planner.search.driver import plan_model
     from runtime.measure.memcheck import check_plan
 
     rows = []
     for name, spec, node, nodes, batch in FULL_CASES:
+        if only is not None and only.lower() not in name.lower():
+            continue
         from cli.commands.validate import build_model_for
 
         t0 = time.perf_counter()
@@ -143,15 +150,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--small-only", action="store_true")
     p.add_argument("--full-only", action="store_true")
+    p.add_argument("--only", default=None, metavar="NAME",
+                   help="run only the rows whose case label contains NAME (case-insensitive), e.g. 'pp2 1F1B'")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON")
     args = p.parse_args(argv)
     out: dict = {}
     header = f"{'case':<22} {'plan':<40} {'pred GB':>8} {'meas GB':>8} {'error':>8} {'10%':>4}"
     if not args.full_only:
         print(header, file=sys.stderr)
-        out["small"] = small_rows()
+        out["small"] = small_rows(args.only)
     if not args.small_only:
-        out["full"] = full_rows()
+        out["full"] = full_rows(args.only)
     print(header)
     for r in out.get("small", []):
         print(_format_small(r))

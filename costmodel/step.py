@@ -293,6 +293,9 @@ def _layer_columns(uniques: ByIdentity, ctx_key: _CtxKey) -> tuple[tuple[str, ..
                       for r, layer in zip(rows, uniques.obj)],
         "rootparams": [r.params if layer.kind in ("embedding", "head") else 0.0
                        for r, layer in zip(rows, uniques.obj)],
+        # the parameters autocast casts for its matmuls: all but the token embedding's (a lookup, not cast)
+        "castparams": [0.0 if layer.kind == "embedding" else r.params + r.expert_params
+                       for r, layer in zip(rows, uniques.obj)],
         "maxact": [0.0 if layer.kind in ("embedding", "head") else r.activation_bytes
                    for r, layer in zip(rows, uniques.obj)],
         # a vocab-sharded embedding's gradient is the whole table (DTensor's embedding backward under
@@ -761,6 +764,26 @@ def stage_output_bytes(workload: Workload, cfg: ParallelConfig, k: StepConstants
     return each * _per_rank(holds, v, pp) * inflight
 
 
+def _one_backward_peak(terms: dict[str, np.ndarray], reduce_extra: np.ndarray, grad_buffer: np.ndarray) -> None:
+    """With one micro-batch a step each rank runs one backward. It begins (at the loss, or with the gradient the
+    next stage sends) before any parameter gradient exists (``optimizer.zero_grad(set_to_none=True)`` frees them
+    after each step; autograd makes each at its first accumulation; only a buffer made in the forward, DDP's
+    bucket, ``grad_buffer``, is there) and with every activation of the micro-batch live, and it ends with
+    every gradient made and the activations freed. ``terms`` (per rank, changed in place) become those of the
+    larger of the two: at the start, gradients are the buffer only and no reduction is running
+    (``reduce_extra``); at the end, no activations, logits or (backward-made) reduction staging is left but
+    the gradients (measured on the runtime: ``tests/test_memory_truth.py``)."""
+    grads = terms["gradients"]
+    start = sum(terms.values()) - grads - reduce_extra + grad_buffer
+    live_at_end = ("weights", "gradients", "optimizer", "comm_buffers", "weight_casts")
+    end = sum(terms[k] for k in live_at_end if k in terms)
+    at_start = start >= end
+    terms["gradients"] = np.where(at_start, grad_buffer, grads)
+    terms["comm_buffers"] = terms["comm_buffers"] - np.where(at_start, reduce_extra, 0.0)
+    for key in ("activations", "logits"):
+        terms[key] = np.where(at_start, terms[key], 0.0)
+
+
 def _memory(workload: Workload, cfg: ParallelConfig, ch: dict[str, np.ndarray], dense: np.ndarray,
             expert: np.ndarray, m: int, mc: mem.MemoryConstants, gpu: np.ndarray, target: Target
             ) -> tuple[dict[str, np.ndarray], np.ndarray]:
@@ -789,6 +812,7 @@ def _memory(workload: Workload, cfg: ParallelConfig, ch: dict[str, np.ndarray], 
     grad_b, gather_b = dp_bytes(w, cfg, target.constants)
     root = _per_rank(ch["rootparams"], v, pp)
     each = (cfg.zero_stage == 2 and target.constants.zero2_reduce_per_microbatch) or m == 1
+    reduce_extra = np.zeros(pp)  # the reduction buffers beyond what the loss and a block's backward freed
     for r, mode in enumerate(modes):
         if mode.fsdp2:
             gathered, reducing = fsdp_buffer_bytes(
@@ -798,11 +822,17 @@ def _memory(workload: Workload, cfg: ParallelConfig, ch: dict[str, np.ndarray], 
             # a block's reduction starts once the loss and that block have run their backward: the peak holds
             # the larger of the logits (+ loss) and the reduction buffers less what those two freed
             logits = float(terms["logits"][r])
-            buffers[r] += gathered + max(0.0, reducing - logits - float(block_act[r]))
+            reduce_extra[r] = max(0.0, reducing - logits - float(block_act[r]))
+            buffers[r] += gathered + reduce_extra[r]
         elif cfg.zero_stage == 3:  # two layers' gathered parameters (prefetch)
             buffers[r] += 2.0 * float(block[r]) * mc.weight_bytes
     buffers = buffers + recv_buffer_bytes(w, cfg, target.constants, m)
     terms["comm_buffers"] = buffers
+    # fp32 parameters computed under autocast: its cached bf16 copy of every matmul weight, for the whole step
+    terms["weight_casts"] = (np.array([mode.autocast_weight_copies for mode in modes])
+                             * _per_rank(ch["castparams"], v, pp))
+    if m == 1 and target.constants.gradients_freed_between_steps:
+        _one_backward_peak(terms, reduce_extra, np.array([mode.gradient_buffer for mode in modes]) * (dense + expert))
     subtotal = sum(terms.values())
     terms["allocator_reserve"] = np.where(gpu, mem.allocator_reserve_bytes(subtotal, mc), 0.0)
     return terms, subtotal + terms["allocator_reserve"]

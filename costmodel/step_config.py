@@ -77,6 +77,13 @@ class StepConstants:
     - ``loss_bytes_per_logit``: what the loss holds per logit element besides the logits themselves, at its
       peak (the start of its backward): eager cross-entropy keeps the fp32 log-softmax output and makes its
       incoming and outgoing gradients in fp32 (12); a fused vocab-parallel cross-entropy one fp32 buffer (4).
+    - ``vocab_parallel_loss_bytes_per_logit``: the same for the loss over vocabulary-sharded logits (a
+      tensor-parallel head whose loss reads its local shard), per local logit element: DTensor's
+      ``loss_parallel`` keeps more than eager cross-entropy (16 against 12).
+    - ``gradients_freed_between_steps``: the parameters' gradients are freed after each optimizer step and made
+      again by the next backward (``zero_grad(set_to_none=True)``), so a step of one micro-batch peaks at the
+      larger of its backward's start (no gradients) and its end (``costmodel.step._one_backward_peak``); False:
+      persistent gradient buffers (Megatron's grad buffer, DeepSpeed's partitions), live all step.
 
     Overlaps:
 
@@ -129,6 +136,8 @@ class StepConstants:
     elementwise_ffn_bytes: float
     optimizer_bytes_per_param: float
     loss_bytes_per_logit: float
+    vocab_parallel_loss_bytes_per_logit: float
+    gradients_freed_between_steps: bool
     overlap_slowdown: float
     overlap_param_gather: bool
     tp_comm_exposed: float

@@ -53,7 +53,8 @@ CONSTANT_TABLES: dict[str, dict[str, type]] = {
                 "selective_recompute": str, "expert_gemm_efficiency": float, "expert_gemm_host_s": float,
                 "softmax_bytes": float,
                 "elementwise_replicated_bytes": float, "elementwise_ffn_bytes": float,
-                "optimizer_bytes_per_param": float, "loss_bytes_per_logit": float},
+                "optimizer_bytes_per_param": float, "loss_bytes_per_logit": float,
+                "vocab_parallel_loss_bytes_per_logit": float, "gradients_freed_between_steps": bool},
     "overlap": {"overlap_slowdown": float, "overlap_param_gather": bool, "tp_comm_exposed": float,
                 "last_bucket_bytes": float, "zero3_flat_nic": bool, "zero3_passes_recompute": bool,
                 "zero3_collectives_per_layer": int, "zero2_reduce_per_microbatch": bool,
@@ -142,6 +143,14 @@ class MemoryMode:
     fsdp2: bool = False
     """Sharded by torch FSDP2 (``fully_shard``): its reduce-scatter staging buffers and, at ZeRO-3, its gathered
     root module and prefetched blocks are held too (``costmodel.step.fsdp_buffer_bytes``)."""
+    autocast_weight_copies: float = 0.0
+    """Bytes per parameter of the lower-precision weight copies ``torch.autocast`` caches while the step computes
+    (fp32 parameters under bf16 autocast: one copy of every weight a matmul reads, kept until the autocast region
+    exits), over the rank's whole local parameters outside the token embedding (also where they are sharded
+    over dp: the copy of a gathered parameter outlives its reshard)."""
+    gradient_buffer: float = 0.0
+    """Bytes per parameter of ``gradients`` held from the forward on (DDP's flat bucket, allocated in the step's
+    forward): live before the first backward, when the parameters' own gradients are not yet made."""
 
     def bytes_per_param(self, dp: int) -> float:
         return sum(getattr(self, t).bytes_per_param(dp) for t in STATE_TERMS)
@@ -433,14 +442,21 @@ def _mode(name: str, data: Any, path: str) -> MemoryMode:
     where = f"memory.{name}"
     if not isinstance(data, dict):
         raise ProfileError(f"{path}: [{where}] must be a table")
-    _check_keys(data, ("when", "description", "source", "fsdp2", *STATE_TERMS), path, where)
+    _check_keys(data, ("when", "description", "source", "fsdp2", "autocast_weight_copies", "gradient_buffer",
+                       *STATE_TERMS), path, where)
     terms = {t: _term(data.get(t, {}), path, f"{where}.{t}") for t in STATE_TERMS}
     fsdp2 = data.get("fsdp2", False)
     if not isinstance(fsdp2, bool):
         raise ProfileError(f"{path}: [{where}] fsdp2 = {fsdp2!r} must be true or false")
+    extra = {}
+    for key in ("autocast_weight_copies", "gradient_buffer"):
+        value = data.get(key, 0.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ProfileError(f"{path}: [{where}] {key} = {value!r} must be a number of bytes >= 0")
+        extra[key] = float(value)
     return MemoryMode(name=name, when=_when(data.get("when", {}), path, where),
                       description=_string(data, "description", path, where),
-                      source=_string(data, "source", path, where), fsdp2=fsdp2, **terms)
+                      source=_string(data, "source", path, where), fsdp2=fsdp2, **terms, **extra)
 
 
 def _term(data: Any, path: str, where: str) -> StateTerm:

@@ -14,7 +14,10 @@ upcasts, rotary temporaries and GLU intermediates included, not a formula of it.
 
 ``backward_excess_by_node(ep, block_of)`` replays the forward again with tensors freed as eager frees them and
 then runs the backward, counting live storages (``_LiveStorages``): per op, the most bytes its backward holds
-beyond what was live when its block's backward began, less the parameter gradients (model states): the
+beyond what was live when its block's backward began, less the parameter gradients (model states; the gradient
+of a weight made from parameters alone, a cast copy or the per-token gather of stacked expert weights, counts as
+one, as the forward counts that weight no activation: a grouped-GEMM kernel writes the experts' weight gradients
+in place, and autopar's expert-parallel loop runs each local expert's own weight): the
 gradient flowing into the block, the gradients of its intermediate tensors and autograd's temporaries, net of
 the saved activations the block's backward has freed by then.
 """
@@ -56,7 +59,7 @@ def backward_excess_by_node(ep: Any, block_of: dict[str, str]) -> dict[str, floa
     try:
         with FakeTensorMode(allow_non_fake_inputs=True):
             args, frozen = _fake_inputs(ep, torch, InputKind)
-            return _run_backward(ep, args, frozen, block_of, torch)
+            return _run_backward(ep, args, block_of, torch, frozen)
     except Exception as e:  # noqa: BLE001 - any failure leaves the backward's working bytes unpriced
         log.warning("could not replay the exported graph's backward on fake tensors (%s: %s); the backward's "
                     "working bytes are not priced", type(e).__name__, str(e).splitlines()[0][:200])
@@ -100,9 +103,10 @@ def _live_storages(torch: Any) -> Any:
     return _LiveStorages
 
 
-def _run_backward(ep: Any, args: list[Any], frozen: set[int], block_of: dict[str, str],
-                  torch: Any) -> dict[str, float]:
+def _run_backward(ep: Any, args: list[Any], block_of: dict[str, str], torch: Any,
+                  frozen: set[int] | None = None) -> dict[str, float]:
     params = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    frozen = set() if frozen is None else frozen
     grad_fns: dict[Any, str] = {}
     excess: dict[str, float] = {}
     state = {"node": "", "block": None, "base": 0.0}
@@ -128,17 +132,20 @@ def _run_backward(ep: Any, args: list[Any], frozen: set[int], block_of: dict[str
         state["node"] = name
         record()
 
+    def as_weight(t: Any) -> Any:
+        """A weight made from parameters alone (``_from_weights``), detached: its gradient is a parameter
+        gradient, a model state (a grouped-GEMM kernel writes the experts' weight gradients into the
+        parameters' in place, with no per-token copy; a cast copy's gradient is the parameter's), as the forward
+        counts that weight no activation."""
+        frozen.add(_storage(t))
+        return t.detach() if t.requires_grad else t
+
     class _Forward(_cpu_interpreter(torch)):
         def run_node(self, n: Any) -> Any:
             out = super().run_node(n)
             if n.op == "call_function" and _from_weights(n, self.env, frozen, torch):
-                frozen.update(_storage(t) for t in _tensors(out, torch))
-                if str(n.target).startswith(_GATHERS) and isinstance(out, torch.Tensor):
-                    # a per-token gather of stacked expert weights (HF ``batched_mm``): grouped-GEMM kernels, which
-                    # the runtime and every target run, read the weights in place and write the weight gradient into
-                    # the parameter's (model states), so the gradient of T*k weight copies is never made
-                    out = out.detach()
-            if n.op == "call_function":
+                out = as_weight(out) if isinstance(out, torch.Tensor) else out
+            elif n.op == "call_function":
                 for t in _tensors(out, torch):
                     fn = t.grad_fn
                     if fn is not None and fn not in grad_fns:

@@ -142,7 +142,10 @@ class GraphCoster:
         if layer.kind not in ("embedding", "head"):  # the head's backward is its logits and loss, below
             working += self.backward_bytes(layer, s.full_activation_bytes)
         if layer.kind == "head":  # the logits, and what the target's loss holds per logit element at its peak
-            working += s.logits_bytes * (1.0 + ctx.constants.loss_bytes_per_logit / self._dtype_bytes)
+            k = ctx.constants  # over vocabulary-sharded logits (a vocab_head), the vocab-parallel loss's bytes
+            vocab_parallel = any(st == "vocab_head" for _, st in s.op_strategies)
+            per = k.vocab_parallel_loss_bytes_per_logit if vocab_parallel else k.loss_bytes_per_logit
+            working += s.logits_bytes * (1.0 + per / self._dtype_bytes)
         host_f, host_b = expert_host_s(self._ops[(self.block_of(layer).signature, ctx.microbatch)], ctx)
         if ctx.recompute == "full":  # the recomputed forward issues the experts' GEMMs again
             rec = max(s.recompute_s, host_f) + d_f

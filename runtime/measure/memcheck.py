@@ -60,7 +60,7 @@ PREDICTED_TERMS = {
     "parameters": ("weights",),
     "gradients": ("gradients",),
     "optimizer": ("optimizer",),
-    "activations": ("activations", "logits"),
+    "activations": ("activations", "logits", "weight_casts"),
     "temporaries": (),
     "comm_buffers": ("comm_buffers",),
     "other": (),
