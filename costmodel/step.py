@@ -32,8 +32,10 @@ per chunk) is memoized by the identity of the immutable ``workload.layers`` tupl
 memoized too (``functools.lru_cache`` on hashable keys, the workload and cluster by identity): the layer table per
 layer context (micro-batch, tp, cp, ep, sp, recomputation, flash; one key object per context), the per-chunk sums
 per context and cut, the pipeline time per (schedule, pp, v, micro-batches, dp), the data-parallel collectives and
-the concurrent-traffic slowdown per rank's parameters, the FLOPs, the per-rank devices. Cached arrays are
-read-only. The GPT-3 175B search on 1,024 A100s (9,367 calls) costs ~1 ms CPU per call on the 2-core machine.
+the concurrent-traffic slowdown per rank's parameters and position within its node, the FLOPs, the per-rank
+devices, the target's memory modes per the facts they test and the model states per the ranks' parameters.
+Cached arrays are read-only. The GPT-3 175B search on 1,024 A100s (9,964 calls) costs ~0.6 ms CPU per call on
+the 2-core machine.
 
 FLOPs: ``model_tflops_per_gpu`` counts forward + backward of the workload (6N + attention, SC21 Eq. 3's 72 form
 for GPT); ``hw_tflops_per_gpu`` adds what recomputation re-runs (the 96 form with full recomputation), the
@@ -574,17 +576,29 @@ def _pipeline_traffic_slowdown(workload: Workload, cfg: ParallelConfig, parts: t
     send = p2p_boundary_bytes(workload, mb=cfg.microbatch, tp=cfg.tp, cp=cfg.cp,
                               sp=cfg.sequence_parallel and cfg.tp > 1, k=k)
     op = "all_reduce" if cfg.zero_stage == 0 else "reduce_scatter"
-    return _traffic_slowdown_cached(ByIdentity(parts[0]), op, dense * workload.dtype_bytes, cfg.virtual_stages * send,
-                                    cfg.tp, cfg.cp, cfg.dp, rank)
+    return _traffic_slowdown_at(ByIdentity(parts[0]), op, dense * workload.dtype_bytes, cfg.virtual_stages * send,
+                                cfg.tp, cfg.cp, cfg.dp, rank)
+
+
+def _traffic_slowdown_at(cluster_id: ByIdentity, op: str, grad_bytes: float, send_bytes: float, tp: int, cp: int,
+                         dp: int, rank: int) -> float:
+    """``_traffic_slowdown_cached`` with the rank's first device moved down by whole nodes: on one node group
+    (the only case priced) ranks ``first`` and ``first - q * gpus_per_node`` lie alike on their nodes (the
+    same placements, the same overlaps between the two collectives), so every rank of a stride that is a
+    multiple of the node shares one entry. The caller keeps ``rank < pp - 1``, so ``first + stride`` is within
+    the cluster for the shifted rank too."""
+    stride = tp * cp * dp
+    return _traffic_slowdown_cached(cluster_id, op, grad_bytes, send_bytes, tp, cp, dp,
+                                    (rank * stride) % cluster_id.obj.gpus_per_node)
 
 
 @functools.lru_cache(maxsize=16384)
 def _traffic_slowdown_cached(cluster_id: ByIdentity, op: str, grad_bytes: float, send_bytes: float, tp: int,
-                             cp: int, dp: int, rank: int) -> float:
-    """``_pipeline_traffic_slowdown`` past its trivial cases (pure: memoized, the cluster by identity)."""
+                             cp: int, dp: int, first: int) -> float:
+    """``_pipeline_traffic_slowdown`` past its trivial cases for the pipeline rank whose first device is
+    ``first`` (pure: memoized, the cluster by identity)."""
     cluster = cluster_id.obj
     stride = tp * cp * dp
-    first = rank * stride
     grads = Collective(op=op, nbytes=grad_bytes, group=Group(size=dp * cp, stride=tp), first_rank=first)
     sends = Collective(op="send_recv", nbytes=send_bytes, group=Group(size=2, stride=stride), first_rank=first)
     if grads.nbytes <= 0 or first + stride >= cluster.num_devices:
@@ -614,6 +628,15 @@ def _data_parallel(workload: Workload, cfg: ParallelConfig, parts: tuple[Cluster
     rank_l = pipe["per_rank_s"].tolist()
     wb = dp_bytes(workload, cfg, k)
     layers_l = [int(x) for x in layers.tolist()]
+    overlaps: dict[int, bool] = {}  # per node-group part: whether its ranks overlap the reduction
+    slow = None  # (cluster, op, send bytes): the pipeline sends share the reduction's links (one node group)
+    if cfg.pp > 1 and cfg.dp * cfg.cp > 1 and len(parts) == 1 and len(parts[0].groups) == 1:
+        send = p2p_boundary_bytes(workload, mb=cfg.microbatch, tp=cfg.tp, cp=cfg.cp,
+                                  sp=cfg.sequence_parallel and cfg.tp > 1, k=k)
+        slow = (ByIdentity(parts[0]), "all_reduce" if cfg.zero_stage == 0 else "reduce_scatter",
+                cfg.virtual_stages * send)
+    slow_memo: dict[tuple[float, int], float] = {}
+    stride, gpn = cfg.tp * cfg.cp * cfg.dp, parts[0].gpus_per_node
     for r in range(cfg.pp):
         key = (dense_l[r], expert_l[r], layers_l[r], _class_of(classes, r))
         if key not in memo:
@@ -621,7 +644,9 @@ def _data_parallel(workload: Workload, cfg: ParallelConfig, parts: tuple[Cluster
                                  cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, zero_stage=cfg.zero_stage,
                                  recompute=cfg.recompute, layers=key[2], tp_sharded=tp_sharded)
         lk, t = memo[key]
-        if not cfg.overlap_grad_reduce or not _can_overlap(parts[key[3]]):
+        if key[3] not in overlaps:
+            overlaps[key[3]] = cfg.overlap_grad_reduce and _can_overlap(parts[key[3]])
+        if not overlaps[key[3]]:
             window = 0.0
         elif cfg.zero_stage == 3 or (cfg.zero_stage == 2 and k.zero2_reduce_per_microbatch and m > 1):
             window = pipe["total_s"]  # reductions spread over every micro-batch's backward
@@ -629,8 +654,14 @@ def _data_parallel(workload: Workload, cfg: ParallelConfig, parts: tuple[Cluster
             window = rank_l[r]
         else:
             window = bwd_l[r]
-        if window > 0 and cfg.zero_stage < 3:
-            t *= _pipeline_traffic_slowdown(workload, cfg, parts, r, dense=key[0], k=k)
+        if window > 0 and cfg.zero_stage < 3 and slow is not None and r != cfg.pp - 1:
+            # _pipeline_traffic_slowdown (1 in the cases skipped), its rank's first device moved down by whole
+            # nodes as _traffic_slowdown_at does
+            sk = (key[0], (r * stride) % gpn)
+            if sk not in slow_memo:
+                slow_memo[sk] = _traffic_slowdown_cached(slow[0], slow[1], key[0] * workload.dtype_bytes, slow[2],
+                                                         cfg.tp, cfg.cp, cfg.dp, sk[1])
+            t *= slow_memo[sk]
         e = _exposed(t, window, k)
         if window > 0 and cfg.zero_stage < 3:  # the last bucket starts when the backward ends
             grad_bytes = (key[0] + key[1]) * wb[0]
@@ -671,27 +702,60 @@ def _inflight(schedule: str, pp: int, m: int, v: int) -> np.ndarray:
     return out
 
 
-def _rank_modes(workload: Workload, cfg: ParallelConfig, target: Target, gpu: np.ndarray) -> list:
-    """Per pipeline rank, the target's ``[memory.*]`` mode for ``cfg`` on that rank's device kind."""
+def _rank_modes(workload: Workload, cfg: ParallelConfig, target: Target, gpu: np.ndarray) -> tuple:
+    """Per pipeline rank, the target's ``[memory.*]`` mode for ``cfg`` on that rank's device kind (memoized on
+    the facts ``targets.config_facts`` reads, the target and the per-rank device kinds by identity)."""
     w = workload
-    modes = {g: target.memory_mode(cfg, experts=w.experts, tied_embeddings=w.tied_embeddings, glu=w.glu, gpu=g)
-             for g in sorted({bool(x) for x in gpu.tolist()})}
-    return [modes[bool(x)] for x in gpu.tolist()]
+    facts = (cfg.num_microbatches if cfg.microbatch else 0, cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep, cfg.zero_stage,
+             cfg.virtual_stages or 1, cfg.microbatch or 0, cfg.schedule, cfg.recompute, cfg.sequence_parallel,
+             cfg.precision, w.experts, w.tied_embeddings, w.glu)
+    key = (ByIdentity(target), ByIdentity(gpu), facts)
+    found = _RANK_MODES.get(key)
+    if found is None:
+        if len(_RANK_MODES) >= 65536:
+            _RANK_MODES.clear()
+        modes = {g: target.memory_mode(cfg, experts=w.experts, tied_embeddings=w.tied_embeddings, glu=w.glu, gpu=g)
+                 for g in sorted({bool(x) for x in gpu.tolist()})}
+        found = _RANK_MODES[key] = tuple(modes[bool(x)] for x in gpu.tolist())
+    return found
+
+
+_RANK_MODES: dict[tuple, tuple] = {}
+"""``_rank_modes``'s memo: the modes depend on ``cfg`` only through ``targets.config_facts`` (not on
+``recompute_layers``, the global batch beside the micro-batch count, flash attention or overlap)."""
 
 
 def _model_states(workload: Workload, cfg: ParallelConfig, target: Target, dense: np.ndarray,
-                  expert: np.ndarray, modes: list) -> dict[str, np.ndarray]:
+                  expert: np.ndarray, modes: tuple) -> dict[str, np.ndarray]:
     """Weights, gradients and optimizer states per pipeline rank under the target's layout for ``cfg`` (each
     rank's ``[memory.*]`` mode, ``modes``), plus the precision's quantized weight copies (sharded with the
-    weights under ZeRO-3)."""
-    extra = target.constants.precision(cfg.precision).weight_bytes_per_param
-    terms = {t: np.zeros(cfg.pp) for t in ("weights", "gradients", "optimizer")}
-    for params, d in ((dense, cfg.dp * cfg.cp), (expert, expert_shard_degree(workload, cfg))):
+    weights under ZeRO-3). Memoized on the ranks' parameters and what the layout reads of ``cfg`` (a fresh dict
+    of read-only arrays)."""
+    return dict(_model_states_cached(ByIdentity(target), tuple(map(id, modes)), tuple(dense.tolist()),
+                                     tuple(expert.tolist()), cfg.pp, cfg.dp * cfg.cp,
+                                     expert_shard_degree(workload, cfg), cfg.zero_stage, cfg.precision))
+
+
+@functools.lru_cache(maxsize=16384)
+def _model_states_cached(target_id: ByIdentity, mode_ids: tuple[int, ...], dense_t: tuple, expert_t: tuple,
+                         pp: int, dense_d: int, expert_d: float, zero_stage: int,
+                         precision: str) -> dict[str, np.ndarray]:
+    """``mode_ids``: the ranks' modes by identity (the target, in the key, holds them); ``dense_d`` /
+    ``expert_d``: the degrees the dense and the expert parameters' sharded states are divided by."""
+    target = target_id.obj
+    by_id = {id(m): m for m in target.modes}
+    modes = [by_id[i] for i in mode_ids]
+    dense, expert = np.array(dense_t, dtype=float), np.array(expert_t, dtype=float)
+    extra = target.constants.precision(precision).weight_bytes_per_param
+    terms = {t: np.zeros(pp) for t in ("weights", "gradients", "optimizer")}
+    for params, d in ((dense, dense_d), (expert, expert_d)):
         per = [mode.term_bytes_per_param(d) for mode in modes]
         for key in terms:
-            b = np.array([p[key] + (extra / (d if cfg.zero_stage == 3 else 1) if key == "weights" else 0.0)
+            b = np.array([p[key] + (extra / (d if zero_stage == 3 else 1) if key == "weights" else 0.0)
                           for p in per])
             terms[key] = terms[key] + params * b
+    for a in terms.values():
+        a.setflags(write=False)
     return terms
 
 
