@@ -15,10 +15,11 @@ the structure the layouts are chosen on):
   written by hand, whose heads the layouts cannot follow: replicated); attention splits over heads only when
   every projection feeding it is shardable; a
   non-convolution matmul or gather reading a >= 3-D weight (grouped expert GEMMs) belongs to the experts op;
-- dtype casts and copies (``aten.to``: a no-op at the training dtype) hand their input on unchanged, and what
-  autograd saves of them (``saved_bytes``) is kept in their input's layout: Hugging Face's RMSNorm upcasts its
+- every op run inside a norm module is the norm op, its dtype casts too: Hugging Face's RMSNorm upcasts its
   input to fp32 and casts the normalized result back, and autograd saves the fp32 input and the cast-back
-  output, which are the norm's activations; every other op run inside a norm module is the norm op; views
+  output (``saved_bytes``), which are the norm's activations;
+- other dtype casts and copies (``aten.to``: a no-op at the training dtype) hand their input on unchanged, and
+  what autograd saves of them is kept in their input's layout; views
   and ops with one activation input (activations, dropout, rotary embedding with its cos / sin inputs)
   follow their producer's layout: their work is added to the producer;
 - an op with two activation inputs is a pointwise op, or a residual add when one input is on the residual
@@ -166,12 +167,12 @@ class _Builder:
     def visit(self, n) -> None:
         ins = self._act_inputs(n)
         weights = [p for p in n.params if len(p[1]) >= 2]
-        if n.target.startswith(_ALIASES) and len(ins) <= 1 and not n.params:
-            self.rep[n.name] = ins[0] if ins else None  # type: ignore[assignment]  # same tensor, no layout change
-            if ins and ins[0] in self.ops and n.saved_bytes:  # a copy the backward keeps (RMSNorm's fp32 upcast
-                self.ops[ins[0]].saved_elems += _saved_elems(n, 0.0)  # of its input): kept in its input's layout
-        elif n.module_fqn in self.norm_modules and n.op_class != "attention":  # (a module holding a 1-D
+        if n.module_fqn in self.norm_modules and n.op_class != "attention":  # (a module holding a 1-D
             self._norm(n, ins)  # parameter beside its attention, GPT-OSS's sinks, is not a norm around it)
+        elif n.target.startswith(_ALIASES) and len(ins) <= 1 and not n.params:
+            self.rep[n.name] = ins[0] if ins else None  # type: ignore[assignment]  # same tensor, no layout change
+            if ins and ins[0] in self.ops and n.saved_bytes:  # a copy the backward keeps: kept in its input's layout
+                self.ops[ins[0]].saved_elems += _saved_elems(n, 0.0)
         elif self._expert_module(n.module_fqn):
             self._experts(n, ins, self._expert_module(n.module_fqn))
         elif n.target.startswith(_CONV) and weights:
