@@ -116,25 +116,33 @@ def _eager_backward_excess(model: nn.Module, layers, ids) -> list[float]:
     return seen[::-1]  # in layer order (the backward runs the last layer first)
 
 
+_LAYERS = ("model.layers.0", "model.layers.1")
+
+
+def _replayed_backward_per_layer(spec: str):
+    """The bf16 export of a 2-layer ``spec`` (batch 2), its node -> layer map, and per layer the largest of its
+    ops' replayed backward working bytes (``backward_excess_by_node``)."""
+    from planner.trace import _layer_of
+
+    meta = build_model(spec, batch=2)
+    ep = export_model(meta.model.to(torch.bfloat16), tuple(meta.example_inputs))
+    block_of = {}
+    for n in ep.graph.nodes:
+        stack = list((n.meta.get("nn_module_stack") or {}).values())
+        block_of[n.name] = _layer_of(stack[-1][0] if stack else "", "model.layers", set(_LAYERS)) or "root"
+    excess = backward_excess_by_node(ep, block_of)
+    return ep, block_of, [max(v for k, v in excess.items() if block_of[k] == f) for f in _LAYERS]
+
+
 def test_llama_backward_holds_what_eager_holds():
     """The backward's working bytes per layer of a 2-layer bf16 Llama, replayed on fake tensors
     (``backward_excess_by_node``, the largest over each layer's ops), equal what eager autograd holds on real
     CPU tensors within 2%; and they are a sizeable part of what the layer saves (gradients of the hidden states,
     of the MLP's and attention's intermediates, the fp32 upcasts of RMSNorm's backward)."""
-    from planner.trace import _layer_of
-
     spec = "llama:layers=2,hidden=128,ffn=352,heads=4,kv_heads=2,vocab=512,seq=64"
-    meta = build_model(spec, batch=2)
-    ep = export_model(meta.model.to(torch.bfloat16), tuple(meta.example_inputs))
-    fqns = {"model.layers.0", "model.layers.1"}
-    block_of = {}
-    for n in ep.graph.nodes:
-        stack = list((n.meta.get("nn_module_stack") or {}).values())
-        block_of[n.name] = _layer_of(stack[-1][0] if stack else "", "model.layers", fqns) or "root"
-    excess = backward_excess_by_node(ep, block_of)
+    ep, block_of, replayed = _replayed_backward_per_layer(spec)
     saved = saved_bytes_by_node(ep)
-    replayed = [max(v for k, v in excess.items() if block_of[k] == f) for f in sorted(fqns)]
-    kept = [sum(v for k, v in saved.items() if block_of.get(k) == f) for f in sorted(fqns)]
+    kept = [sum(v for k, v in saved.items() if block_of.get(k) == f) for f in _LAYERS]
     real = build_model(spec, batch=2, device="cpu").model.to(torch.bfloat16)
     eager = _eager_backward_excess(real, real.model.layers, torch.randint(0, 512, (2, 64)))
     assert replayed == pytest.approx(eager, rel=0.02), (replayed, eager)
@@ -155,19 +163,10 @@ def test_moe_backward_holds_what_the_expert_parallel_loop_holds():
 
     import torch.distributed as dist
 
-    from planner.trace import _layer_of
     from runtime.expert_parallel import _ep_forward
 
     spec = "mixtral:layers=2,hidden=128,ffn=352,heads=4,kv_heads=2,vocab=512,seq=64,experts=4,topk=2"
-    meta = build_model(spec, batch=2)
-    ep = export_model(meta.model.to(torch.bfloat16), tuple(meta.example_inputs))
-    fqns = {"model.layers.0", "model.layers.1"}
-    block_of = {}
-    for n in ep.graph.nodes:
-        stack = list((n.meta.get("nn_module_stack") or {}).values())
-        block_of[n.name] = _layer_of(stack[-1][0] if stack else "", "model.layers", fqns) or "root"
-    excess = backward_excess_by_node(ep, block_of)
-    replayed = [max(v for k, v in excess.items() if block_of[k] == f) for f in sorted(fqns)]
+    _, _, replayed = _replayed_backward_per_layer(spec)
     tokens, topk, ffn, hidden = 2 * 64, 2, 352, 128
     gathered = tokens * topk * 2 * ffn * hidden * 2  # one layer's per-token gate_up weights, bf16
     assert max(replayed) < 0.1 * gathered
@@ -215,18 +214,8 @@ def test_moe_backward_holds_what_grouped_gemm_experts_hold():
     tensors to within the fp32 product with the routing weights that ``batched_mm`` makes and ``grouped_mm`` does
     not ((tokens x top-k, hidden) fp32 and its gradient: 1.68x here, an over-estimate); the gradient of the
     gather (tokens x top-k copies of an expert's weights, 33.5 MB per layer here) would be over 100x."""
-    from planner.trace import _layer_of
-
     spec = "mixtral:layers=2,hidden=128,ffn=256,heads=4,kv_heads=2,vocab=512,seq=64,experts=4,topk=2"
-    meta = build_model(spec, batch=2)
-    ep = export_model(meta.model.to(torch.bfloat16), tuple(meta.example_inputs))
-    fqns = {"model.layers.0", "model.layers.1"}
-    block_of = {}
-    for n in ep.graph.nodes:
-        stack = list((n.meta.get("nn_module_stack") or {}).values())
-        block_of[n.name] = _layer_of(stack[-1][0] if stack else "", "model.layers", fqns) or "root"
-    excess = backward_excess_by_node(ep, block_of)
-    replayed = [max(v for k, v in excess.items() if block_of[k] == f) for f in sorted(fqns)]
+    _, _, replayed = _replayed_backward_per_layer(spec)
     real = build_model(spec, batch=2, device="cpu").model.to(torch.bfloat16)
     real.set_experts_implementation("grouped_mm")
     eager = _eager_backward_excess(real, real.model.layers, torch.randint(0, 512, (2, 64)))
