@@ -415,7 +415,8 @@ def test_pipelined_fsdp_accumulates_as_the_stage_says(zero):
     """Under pipelining (pp2 x dp2, 1F1B, 4 micro-batches, gloo) ZeRO-1 keeps the full fp32 gradient until the
     last micro-batch (torch's pipelining default) and ZeRO-2 / 3 reduce-scatter every micro-batch into the shard
     (runtime/pipeline.py _Stage); the model states match the target's layout on every rank and each rank's peak
-    is the step model's within 10% (measured -5.5% to +6.5%)."""
+    is the step model's within 10%, less the autocast weight copies these fp32 ranks do not make (measured
+    -9.2% to +6.2%)."""
     from dist_utils import run_distributed
 
     m = 4
@@ -424,8 +425,12 @@ def test_pipelined_fsdp_accumulates_as_the_stage_says(zero):
     mode = load_target("autopar").memory_mode(cfg, gpu=False)
     per = mode.term_bytes_per_param(2)
     est = estimate_step(_workload()[0], cfg, make_cluster("local", 1, gpus_per_node=4))
+    emb = _model().model.embed_tokens.weight.numel()
     for r in got:
-        assert r["peak"] == pytest.approx(est.stage_memory_gb[r["pp_rank"]] * 1e9, rel=0.10), (r, est.memory)
+        # less autocast's bf16 copy of each matmul weight (2 B per parameter outside the embedding), priced for
+        # CPU ranks: these run fp32 without autocast
+        pred = est.stage_memory_gb[r["pp_rank"]] * 1e9 - 2.0 * (r["params"] - (emb if r["pp_rank"] == 0 else 0))
+        assert r["peak"] == pytest.approx(pred, rel=0.10), (r, est.memory)
         n = r["params"]
         grads = r["at_peak"]["gradients"]
         assert r["at_peak"]["optimizer"] == pytest.approx(n * per["optimizer"], rel=0.01)
