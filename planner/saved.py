@@ -104,9 +104,8 @@ def _live_storages(torch: Any) -> Any:
 
 
 def _run_backward(ep: Any, args: list[Any], block_of: dict[str, str], torch: Any,
-                  frozen: set[int] | None = None) -> dict[str, float]:
+                  frozen: set[int]) -> dict[str, float]:
     params = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-    frozen = set() if frozen is None else frozen
     grad_fns: dict[Any, str] = {}
     excess: dict[str, float] = {}
     state = {"node": "", "block": None, "base": 0.0}
