@@ -185,10 +185,17 @@ def test_cli_json_and_table(capsys):
         assert {"name", "repeat", "params", "flops_fwd"} <= set(blk)
     assert sum(b["params"] * b["repeat"] for b in out["blocks"]) == out["params"]
     assert sum(b["flops_fwd"] * b["repeat"] for b in out["blocks"]) == pytest.approx(out["flops_fwd"])
+    # saved activations: what the backward keeps, below what the ops write; a layer's within 30% of Korthikanti
+    # et al. 2022's 34sbh + 5as^2b bytes (bf16, no recomputation; s 16, b 1, h 64, a 4)
+    for blk in out["blocks"]:
+        assert 0 < blk["saved_bytes"] < blk["written_bytes"], blk
+    layer = out["blocks"][1]
+    assert layer["saved_bytes"] == pytest.approx(34 * 16 * 64 + 5 * 4 * 16 * 16, rel=0.3)
     assert main(["trace", "--model", spec]) == 0
     text = capsys.readouterr().out
     assert "traced 2 of 3 layers; 3 identical blocks" in text
     assert "model.decoder.layers.0-2" in text
+    assert "saved MB" in text and "written MB" in text
     assert main(["trace", "--model", "nonsense"]) == 2
     assert "unknown model spec" in capsys.readouterr().err
 

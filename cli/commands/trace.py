@@ -7,7 +7,8 @@ import json
 import time
 
 NAME = "trace"
-HELP = "trace a model (on meta tensors) and print per-block ops, params, FLOPs, activation bytes, coverage"
+HELP = ("trace a model (on meta tensors) and print per-block ops, params, FLOPs, the activation bytes autograd saves "
+        "for backward, coverage")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +29,7 @@ def run(args: argparse.Namespace) -> int:
     graph = traced.graph
     blocks = find_blocks(graph)
     runs = _runs(blocks)
+    saved = _saved_bytes(graph, blocks)
     groups = find_block_groups([b for b in blocks if b.kind == "transformer"])
     wall_s = time.perf_counter() - t0
     summary = {
@@ -46,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         "num_nodes_coarse": len(coarsen(graph).nodes),
         "num_layers": len(graph.layer_fqns),
         "traced_layers": graph.traced_layers,
-        "blocks": [_run_json(r) for r in runs],
+        "blocks": [_run_json(r, saved) for r in runs],
         "identical_blocks": [{"members": list(g.members), "repeat": g.repeat, "signature": g.signature}
                              for g in groups],
         "unsupported_ops": dict(graph.unsupported),
@@ -56,8 +58,19 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
-    _print_table(summary, runs)
+    _print_table(summary, runs, saved)
     return 0
+
+
+def _saved_bytes(graph, blocks: list) -> dict[str, float | None]:
+    """Per block, the bytes autograd saves for backward (``planner.saved``'s replay of the traced backward, summed
+    over the block's ops); None where the replay did not run."""
+    by_name = {n.name: n for n in graph.nodes}
+    out: dict[str, float | None] = {}
+    for b in blocks:
+        vals = [by_name[o].saved_bytes for o in b.ops if o in by_name]
+        out[b.name] = None if any(v is None for v in vals) else float(sum(vals))
+    return out
 
 
 def _runs(blocks: list) -> list[list]:
@@ -79,14 +92,14 @@ def _run_name(run: list) -> str:
     return f"{parent}.{i}-{last.rpartition('.')[2]}" if parent else f"{first}..{last}"
 
 
-def _run_json(run: list) -> dict:
+def _run_json(run: list, saved: dict[str, float | None]) -> dict:
     b = run[0]
     return {"name": _run_name(run), "kind": b.kind, "first": b.name, "last": run[-1].name, "repeat": len(run),
             "ops": len(b.ops), "params": b.params, "flops_fwd": b.flops_fwd, "flops_bwd": b.flops_bwd,
-            "act_bytes": b.act_bytes, "signature": b.signature}
+            "saved_bytes": saved[b.name], "written_bytes": b.act_bytes, "signature": b.signature}
 
 
-def _print_table(s: dict, runs: list[list]) -> None:
+def _print_table(s: dict, runs: list[list], saved: dict[str, float | None]) -> None:
     print(f"model {s['model']}: {s['params']:,} parameters ({s['params'] / 1e9:.3f}B), batch {s['batch']}, "
           f"seq {s['seq']}")
     n_layers, traced = s["num_layers"], s["traced_layers"]
@@ -99,13 +112,14 @@ def _print_table(s: dict, runs: list[list]) -> None:
     if n_layers:
         print(f"traced {traced} of {n_layers} layers; {same}"
               + ("" if traced == n_layers else " (the others are copies of the traced ones)"))
-    head = f"{'block':<28} {'x':>4} {'ops':>5} {'params':>14} {'fwd GFLOP':>12} {'bwd GFLOP':>12} {'act MB':>10}"
+    head = f"{'block':<28} {'x':>4} {'ops':>5} {'params':>14} {'fwd GFLOP':>12} {'bwd GFLOP':>12} {'saved MB':>10} {'written MB':>11}"
     print(head)
     print("-" * len(head))
     for r in runs:
         b = r[0]
+        kept = "-" if saved[b.name] is None else f"{saved[b.name] / 2**20:.1f}"
         print(f"{_run_name(r):<28} {len(r):>4} {len(b.ops):>5} {b.params:>14,} {b.flops_fwd / 1e9:>12.2f} "
-              f"{b.flops_bwd / 1e9:>12.2f} {b.act_bytes / 2**20:>10.1f}")
+              f"{b.flops_bwd / 1e9:>12.2f} {kept:>10} {b.act_bytes / 2**20:>11.1f}")
     print("-" * len(head))
     print(f"{'total':<28} {'':>4} {s['num_nodes']:>5} {s['params']:>14,} {s['flops_fwd'] / 1e9:>12.2f} "
           f"{s['flops_bwd'] / 1e9:>12.2f}")
@@ -114,6 +128,8 @@ def _print_table(s: dict, runs: list[list]) -> None:
               f"{s['model_flops_causal']:.4g} causal; attention {s['attention_flops_fwd'] / 1e9:.4g} GFLOP forward")
     else:
         print(f"model FLOPs (fwd+bwd, no recompute): {s['model_flops']:.4g}; no attention ops")
+    print("saved MB: what autograd keeps for the backward, per block (replayed on fake tensors); written MB: the "
+          "bytes its ops write (an upper bound)")
     print(f"ops: {s['num_nodes']} aten ops, {s['num_nodes_coarse']} after folding views / pointwise ops")
     if s["unsupported_ops"]:
         print("coverage: ops with no FLOP rule (counted as 0 FLOPs):")
