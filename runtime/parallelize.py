@@ -28,7 +28,7 @@ from runtime.data_parallel import apply_data_parallel, averages_by_hand, unwrap,
 from runtime.expert_parallel import apply_expert_parallel
 from runtime.materialize import materialize
 from runtime.pipeline import PipelineChunk
-from runtime.tensor_parallel import apply_tensor_parallel
+from runtime.tensor_parallel import apply_tensor_parallel, holds_vocab_head, loss_parallel_works
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -55,7 +55,8 @@ def parallelize(
     """Apply ``plan`` to ``part`` in place (the steps of the module docstring).
 
     ``part``: the model, or a ``runtime.pipeline.PipelineChunk`` (then plan entries for modules of other chunks
-    are skipped, stage outputs are plain tensors: gathered logits rather than loss-parallel DTensors, and
+    are skipped, stage outputs are plain tensors: a vocabulary-sharded head returns this rank's shard of the
+    logits, which the pipeline's loss wraps back into a DTensor for the loss-parallel cross-entropy, and
     ``init_owner`` is the full model whose init rule materialises the chunk).
     """
     chunk = isinstance(part, PipelineChunk)
@@ -65,7 +66,14 @@ def parallelize(
     stage = part.stage if chunk else sorted(plan.stages, key=lambda s: s.index)[0]
     layers = part.layer_fqns if chunk else transformer_layers(part)
     apply_stage_recompute(part, layer_fqns=layers, stage=stage)
-    apply_tensor_parallel(part, plan=plan, mesh=mesh, strict=not chunk, loss_parallel_ok=False if chunk else None)
+    loss_parallel_ok = None
+    if chunk and plan.degrees.tp > 1 and holds_vocab_head(part, plan.shardings):
+        # the head's stage: its logits leave it as this rank's vocabulary shard for the loss-parallel
+        # cross-entropy, as without a pipeline (the backend probed as there)
+        loss_parallel_ok = loss_parallel_works(mesh["tp"])
+        part.logits_mesh = mesh["tp"] if loss_parallel_ok else None
+    apply_tensor_parallel(part, plan=plan, mesh=mesh, strict=not chunk, loss_parallel_ok=loss_parallel_ok,
+                          local_logits=chunk)
     expert_fqns = tuple(apply_expert_parallel(part, plan=plan, mesh=mesh, strict=not chunk))
     context = None if chunk else apply_context_parallel(part, plan=plan, mesh=mesh)
     module = part

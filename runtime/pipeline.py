@@ -39,6 +39,7 @@ ranks name it as the model does (``named_parameters()`` gives a tied weight once
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -52,10 +53,11 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._backward import stage_backward
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import loss_parallel
 
 from costmodel.errors import ConfigError, PlanMismatchError, UnsupportedModelError
 from planner.plan import Plan, StagePlan
-from runtime.data_parallel import gradient_sync, set_microbatch_sync
+from runtime.data_parallel import gradient_sync, set_microbatch_sync, unwrap
 from runtime.mesh import batch_mesh
 from runtime.model_adapters import Layout, ModelAdapter, TracedAdapter, adapter_for
 from runtime.traced_units import graft_attrs
@@ -133,6 +135,9 @@ class PipelineChunk(nn.Module):
         self.has_head = hi == len(layout.units)
         self.sp_mesh: Any | None = None
         """The tp DeviceMesh under sequence parallelism (set by ``build_pipeline``): see ``forward``."""
+        self.logits_mesh: Any | None = None
+        """The tp DeviceMesh when the chunk's head returns this rank's vocabulary shard of the logits (set by
+        ``runtime.parallelize``): the loss runs loss-parallel over it (``build_pipeline``)."""
         self._traced = adapter.traced if isinstance(adapter, TracedAdapter) else None
         self._lo, self._hi = lo, hi
         if self._traced is not None:
@@ -385,6 +390,13 @@ class PipelineRunner:
         n_stages = len(plan.stages)
         self.has_first = 0 in chunks
         self.has_last = n_stages - 1 in chunks
+        self.logits_mesh = _logits_mesh(chunks.get(n_stages - 1))
+        """The tp mesh of vocabulary-sharded logits on the last stage (None: whole logits, or not this rank's)."""
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """What the schedule's steps run under: ``loss_parallel`` where the last stage's logits are
+        vocabulary-sharded (its forward and backward ops need it), else nothing."""
+        return loss_parallel() if self.logits_mesh is not None else contextlib.nullcontext()
 
     @property
     def modules(self) -> list[PipelineChunk]:
@@ -421,7 +433,8 @@ class PipelineRunner:
         args = (input_ids.to(self._device),) if self.has_first else ()
         target = targets.to(self._device) if self.has_last else None
         losses: list[torch.Tensor] = []
-        self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        with self.loss_context():
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
         loss = torch.zeros((), dtype=torch.float32, device=self._device)
         if self.has_last:
             # each micro-batch loss was divided by n_mb for the backward (see build_pipeline): sum = mean
@@ -493,6 +506,11 @@ def _check_fsdp_schedule(local: dict[int, nn.Module], plan: Plan) -> None:
         )
 
 
+def _logits_mesh(chunk: nn.Module | None) -> Any | None:
+    """The last chunk's ``logits_mesh`` (under a DDP wrapper, the chunk's); None without that chunk."""
+    return None if chunk is None else getattr(unwrap(chunk), "logits_mesh", None)
+
+
 def _device_of(mesh: Any) -> torch.device:
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
@@ -538,10 +556,17 @@ def build_pipeline(
     ]
     n_mb = plan.schedule.num_microbatches
 
+    logits_mesh = _logits_mesh(local.get(len(all_chunks) - 1))
+
     def mb_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         # Scale here, not with the schedule's scale_grads (which divides all of .grad, earlier
         # accumulation included): the mean over micro-batches of equal size is the full-batch mean.
-        return loss_fn(output, target) / n_mb
+        if logits_mesh is None:
+            return loss_fn(output, target) / n_mb
+        # this rank's vocabulary shard of the logits: the loss-parallel cross-entropy over the tp ranks (under
+        # PipelineRunner.loss_context), as ParallelModel runs it without a pipeline
+        loss = loss_fn(DTensor.from_local(output, logits_mesh, [Shard(output.dim() - 1)], run_check=False), target)
+        return (loss.full_tensor() if isinstance(loss, DTensor) else loss) / n_mb
 
     schedule = make_schedule(stages, name=plan.schedule.name, num_microbatches=n_mb, loss_fn=mb_loss)
     logger.info(

@@ -10,7 +10,8 @@ Style -> what is applied on the plan's "tp" mesh axis (Megatron-LM, Shoeybi et a
 - ``vocab_embedding``: ``RowwiseParallel`` on ``nn.Embedding`` (weight Shard(0): each rank owns a vocabulary slice,
   the masked partial lookups are all-reduced).
 - ``vocab_head``: ``ColwiseParallel`` with logits left Shard(-1) as a DTensor for the loss-parallel cross-entropy
-  (``torch.distributed.tensor.parallel.loss_parallel``). Whether that works on the backend in use is checked at
+  (``torch.distributed.tensor.parallel.loss_parallel``); in a pipeline stage as this rank's local vocabulary shard,
+  which the stage's loss wraps back into that DTensor (``runtime.pipeline.build_pipeline``). Whether that works on the backend in use is checked at
   apply time on the real tp mesh (``loss_parallel_works``); if not, the logits are all-gathered (Replicate) and a
   warning is logged. On gloo/CPU in torch 2.13 it works (tests/test_runtime_tp.py checks both paths).
 - ``sequence_parallel``: ``SequenceParallel(sequence_dim=-2)`` on norms: parameters Replicate DTensors, activations
@@ -69,11 +70,14 @@ def apply_tensor_parallel(
     mesh: DeviceMesh,
     strict: bool = True,
     loss_parallel_ok: bool | None = None,
+    local_logits: bool = False,
 ) -> nn.Module:
     """Shard ``model`` in place over ``mesh["tp"]`` per ``plan.shardings``; returns the model (unchanged at tp=1).
 
     ``strict=False`` skips plan entries whose module is not in ``model`` (a pipeline stage holds a subset).
     ``loss_parallel_ok=None`` probes the backend; True / False forces the loss-parallel / gathered-logits path.
+    ``local_logits``: a loss-parallel head returns this rank's vocabulary shard as a plain tensor (a pipeline
+    stage's output; the loss wraps it back into a DTensor: ``runtime.pipeline``) rather than a DTensor.
     Works on meta-device models (materialise afterwards with ``runtime.materialize``).
     """
     tp = plan.degrees.tp
@@ -83,7 +87,7 @@ def apply_tensor_parallel(
         raise PlanMismatchError(f"mesh tp axis has {mesh['tp'].size()} ranks but the plan has tp={tp}: build the "
                                 "mesh from the plan (runtime.build_mesh)")
     return shard_modules(model, shardings=plan.shardings, tp_mesh=mesh["tp"], sequence_parallel=plan.sequence_parallel,
-                         strict=strict, loss_parallel_ok=loss_parallel_ok)
+                         strict=strict, loss_parallel_ok=loss_parallel_ok, local_logits=local_logits)
 
 
 def shard_modules(
@@ -94,6 +98,7 @@ def shard_modules(
     sequence_parallel: bool = False,
     strict: bool = True,
     loss_parallel_ok: bool | None = None,
+    local_logits: bool = False,
 ) -> nn.Module:
     """What ``apply_tensor_parallel`` does, on a 1-D ``tp_mesh`` of any size (1 included: the calibration times
     DTensor's dispatch on one rank this way)."""
@@ -113,7 +118,8 @@ def shard_modules(
     _divide_heads(modules, styles, tp)
     regions = _sp_regions(modules, styles) if sp else set()
     layer_plan = {
-        fqn: _style_object(style, sp=sp, in_region=_parent(fqn) in regions, loss_parallel_ok=bool(loss_parallel_ok))
+        fqn: _style_object(style, sp=sp, in_region=_parent(fqn) in regions, loss_parallel_ok=bool(loss_parallel_ok),
+                           local_logits=local_logits)
         for fqn, style in styles.items()
         if style in _TP_STYLES and (style != "sequence_parallel" or sp)
     }
@@ -192,7 +198,12 @@ def _styles_present(model: nn.Module, shardings: tuple[ModuleSharding, ...], *, 
     return styles
 
 
-def _style_object(style: str, *, sp: bool, in_region: bool, loss_parallel_ok: bool) -> Any:
+def holds_vocab_head(model: nn.Module, shardings: tuple[ModuleSharding, ...]) -> bool:
+    """Whether one of ``model``'s modules is a ``vocab_head`` in ``shardings``."""
+    return "vocab_head" in _styles_present(model, shardings, strict=False).values()
+
+
+def _style_object(style: str, *, sp: bool, in_region: bool, loss_parallel_ok: bool, local_logits: bool = False) -> Any:
     seq = Shard(-2)
     if style == "colwise":
         return ColwiseParallel(input_layouts=seq if sp and not in_region else Replicate())
@@ -203,7 +214,7 @@ def _style_object(style: str, *, sp: bool, in_region: bool, loss_parallel_ok: bo
     if style == "vocab_head":
         if loss_parallel_ok:
             return ColwiseParallel(
-                input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1), use_local_output=False
+                input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1), use_local_output=local_logits
             )
         return ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Replicate())
     if style == "sequence_parallel":

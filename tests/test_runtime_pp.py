@@ -316,7 +316,8 @@ def _run_plan(family: str, tied: bool, plan: Plan) -> dict:
     opt = torch.optim.SGD(pm.parameters(), lr=LR)
     local_b = plan.schedule.microbatch_size * plan.schedule.num_microbatches
     d = pm.mesh.get_local_rank("dp")
-    out = {"losses": [], "grads": [], "pp_rank": runner.pp_rank, "tp_rank": pm.mesh.get_local_rank("tp")}
+    out = {"losses": [], "grads": [], "pp_rank": runner.pp_rank, "tp_rank": pm.mesh.get_local_rank("tp"),
+           "has_last": runner.has_last, "logits_sharded": runner.logits_mesh is not None}
     for step, (ids, tgt) in enumerate(batches(plan.global_batch)):
         actions.clear()
         calls.update(dict.fromkeys(calls, 0))
@@ -403,6 +404,10 @@ def _check_plan(name: str, family: str, tied: bool, plan: Plan, per_rank: list[d
     schedule, n_mb, pp = plan.schedule.name, plan.schedule.num_microbatches, plan.degrees.pp
     ref = reference_run(family, tied=tied, batch=plan.global_batch)
     want = _recompute_wanted(plan, family)
+    # under tp the last stage's head leaves the logits vocabulary-sharded and the loss runs loss-parallel (as
+    # priced: planner.search.strategies' vocab_head and vocab_parallel loss), on gloo too
+    for r, res in enumerate(per_rank):
+        assert res["logits_sharded"] == (res["has_last"] and plan.degrees.tp > 1), f"{name} rank {r}"
     for r, res in enumerate(per_rank):  # each stage's first recompute_layers layers, and only those, recompute
         assert res["recompute"] == {f: want[f] for f in res["recompute"]}, f"{name} rank {r}: {res['recompute']}"
         calls = {f: n_mb * (2 if want[f] != "none" else 1) for f in res["recompute"]}

@@ -406,9 +406,10 @@ def check_rank(plan: Plan, rank: int, *, model_factory: Callable[[], nn.Module],
                     ids = torch.randint(0, vocab, (plan.global_batch, max(plan.model.seq_len, 1) + 1))
                     with mt.phase("activations", "forward / backward"):
                         pm.step(ids[:, :-1], ids[:, 1:])
-                else:
-                    notes += _replay_pipeline(pm, plan, mt, vocab=vocab, hidden=_hidden_size(model),
-                                              modules=modules, microbatches=microbatches)
+                else:  # under loss parallel where the last stage's logits are vocabulary-sharded, as the runtime
+                    with pm.pipeline.loss_context():
+                        notes += _replay_pipeline(pm, plan, mt, vocab=vocab, hidden=_hidden_size(model),
+                                                  modules=modules, microbatches=microbatches)
             label_gradients(mt, params, modules)
             with mt.phase("temporaries", "optimizer step"):
                 opt.step()
