@@ -493,6 +493,33 @@ def test_a_norm_keeps_its_fp32_input_and_bf16_output():
     assert coster(layer, ctx).activation_bytes == pytest.approx(traced_block, rel=0.01)
 
 
+def test_autocast_contexts_price_the_autocast_trace():
+    """A layer context of a rank computing fp32 parameters under autocast (``LayerCtx.autocast``) keeps what the
+    model traced with fp32 parameters under autocast saves, node for node (here more than the bf16 trace: an fp32
+    residual stream and norms, a bf16 copy of each linear's input), under the same sharding and with the same
+    times; and its backward's working bytes are that trace's."""
+    import dataclasses
+
+    from costmodel.step import layer_contexts
+    from planner.workload import workload_from_model
+
+    w, _ = workload_from_model(SPEC)
+    coster = w.coster
+    layer = next(x for x in w.layers if x.kind == "transformer")
+    cfg = ParallelConfig(tp=1, pp=1, dp=1, microbatch=1, global_batch=1, recompute="none")
+    ctx = layer_contexts(w, cfg, make_cluster("local", 1, gpus_per_node=1))[list(w.layers).index(layer)]
+    plain, under = coster(layer, ctx), coster(layer, dataclasses.replace(ctx, autocast=True))
+    regime = coster.autocast_regime()
+    block = coster.block_of(layer)
+    traced = sum(n.saved_bytes for n in regime._graph.nodes if n.block == block.name)
+    assert under.activation_bytes == pytest.approx(traced, rel=0.01)
+    assert under.activation_bytes > 1.15 * plain.activation_bytes
+    assert under.working_bytes == pytest.approx(regime.backward_bytes(layer, under.activation_bytes))
+    assert (under.fwd_s, under.bwd_s, under.params) == (plain.fwd_s, plain.bwd_s, plain.params)
+    # fp32 compute runs without autocast: no such regime
+    assert coster.with_dtype_bytes(4).autocast_regime() is None
+
+
 def test_the_head_rank_holds_the_larger_of_logits_and_a_block_backward():
     """The head's backward frees the logits and the loss's buffers before a block's backward starts: the last
     pipeline rank holds the larger of those and a block's backward working bytes, not both."""
