@@ -10,7 +10,9 @@ tensor is charged to the op whose output owns its storage (views share it), or, 
 inside itself (a norm's fp32 statistics, attention's log-sum-exp), to the op that was running; parameters,
 buffers and what is made from them alone (cast copies, per-token gathers of expert weights) are not
 activations; a storage saved by several ops counts once. This is the eager behaviour, fp32
-upcasts, rotary temporaries and GLU intermediates included, not a formula of it.
+upcasts, rotary temporaries and GLU intermediates included, not a formula of it. With ``autocast=True`` both
+replays run under bf16 ``torch.autocast`` (the export of a model with fp32 parameters, as the runtime computes
+it without FSDP2's mixed precision); the bf16 casts autocast makes of parameters inside an op are weights too.
 
 ``backward_excess_by_node(ep, block_of)`` replays the forward again with tensors freed as eager frees them and
 then runs the backward, counting live storages (``_LiveStorages``): per op, the most bytes its backward holds
