@@ -38,6 +38,10 @@ class LayerCtx:
     constants: StepConstants
     precision: str = "bf16"
     """GEMM precision of the block's linears (``constants.precision(name)`` says how the target runs it)."""
+    autocast: bool = False
+    """The rank computes fp32 parameters under bf16 autocast (its ``[memory.*]`` mode prices
+    ``autocast_weight_copies``) rather than with bf16 parameters: a coster that knows that regime's saved
+    activations prices the block's activation and working bytes with them (times are the same)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -156,6 +156,7 @@ class _CtxKey:
     flash: bool
     constants: StepConstants
     precision: str = "bf16"
+    autocast: bool = False
     _hash: int = field(default=0, init=False, repr=False, compare=False)
     """The fields' hash, computed once: every memo lookup of a call hashes its keys (the constants are ~50
     fields)."""
@@ -163,7 +164,7 @@ class _CtxKey:
     def __post_init__(self) -> None:
         object.__setattr__(self, "_hash", hash((self.workload, self.cluster, self.microbatch, self.tp, self.cp,
                                                  self.ep, self.sp, self.recompute, self.flash, self.constants,
-                                                 self.precision)))
+                                                 self.precision, self.autocast)))
 
     def __hash__(self) -> int:
         return self._hash
@@ -172,7 +173,7 @@ class _CtxKey:
         cluster = self.cluster.obj
         return LayerCtx(device=slowest_device(cluster), cluster=cluster, microbatch=self.microbatch, tp=self.tp,
                         cp=self.cp, ep=self.ep, sp=self.sp, recompute=self.recompute, flash=self.flash,
-                        constants=self.constants, precision=self.precision)
+                        constants=self.constants, precision=self.precision, autocast=self.autocast)
 
 
 @functools.lru_cache(maxsize=64)
@@ -828,6 +829,35 @@ def stage_output_bytes(workload: Workload, cfg: ParallelConfig, k: StepConstants
     return each * _per_rank(holds, v, pp) * inflight
 
 
+_ACTIVATION_COLUMNS = ("act", "work", "head_work", "maxact")
+"""The chunk columns of activation and backward working bytes, which depend on the rank's dtype regime."""
+
+
+def _autocast_memory_columns(ch: dict[str, np.ndarray], parts: tuple[_CtxKey, ...], classes: tuple[int, ...],
+                             stage_layers: tuple[int, ...], mask: tuple[bool, ...], modes: tuple,
+                             pp: int) -> dict[str, np.ndarray]:
+    """The chunk arrays ``ch`` with the activation columns of the chunks on ranks whose ``[memory.*]`` mode
+    computes fp32 parameters under autocast (``autocast_weight_copies``) priced in layer contexts that say so
+    (``LayerCtx.autocast``: the coster's saved bytes of that regime); ``ch`` itself when no rank does."""
+    on = np.array([mode.autocast_weight_copies > 0 for mode in modes])
+    if not on.any():
+        return ch
+    ac_parts = _autocast_keys(parts)
+    ac = _merged_chunk_arrays(ac_parts, classes, stage_layers, mask) if classes else \
+        _chunk_arrays(ac_parts[0], stage_layers, mask)
+    chunk_on = on[np.arange(len(stage_layers)) % pp]
+    out = dict(ch)
+    for key in _ACTIVATION_COLUMNS:
+        out[key] = np.where(chunk_on, ac[key], ch[key])
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _autocast_keys(parts: tuple[_CtxKey, ...]) -> tuple[_CtxKey, ...]:
+    """``parts`` saying autocast (memoized: one key object each, hashed once)."""
+    return tuple(dataclasses.replace(key, autocast=True) for key in parts)
+
+
 def _one_backward_peak(terms: dict[str, np.ndarray], reduce_extra: np.ndarray, grad_buffer: np.ndarray) -> None:
     """With one micro-batch a step each rank runs one backward. It begins (at the loss, or with the gradient the
     next stage sends) before any parameter gradient exists (``optimizer.zero_grad(set_to_none=True)`` frees them
@@ -1034,7 +1064,9 @@ def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_l
     breakdown["optimizer"] = dp["optimizer_s"]
     step_s = pipe["total_s"] + dp["exposed_s"] + dp["optimizer_s"]
     gpu, limits_gb, stage_device = _rank_devices(ByIdentity(cluster), cfg.pp)
-    terms, totals = _memory(workload, cfg, pipe["chunks"], dense, expert, m, mc, gpu, target)
+    chunks = _autocast_memory_columns(pipe["chunks"], parts, classes, stage_layers, mask,
+                                      _rank_modes(workload, cfg, target, gpu), cfg.pp)
+    terms, totals = _memory(workload, cfg, chunks, dense, expert, m, mc, gpu, target)
     worst = int(np.argmax(totals))
     worst_mem = mem.MemoryEstimate(terms={key: float(val[worst]) for key, val in terms.items()})
     fits = all(t / mem.GB <= lim for t, lim in zip(totals.tolist(), limits_gb))  # each rank within its own

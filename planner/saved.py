@@ -10,7 +10,9 @@ tensor is charged to the op whose output owns its storage (views share it), or, 
 inside itself (a norm's fp32 statistics, attention's log-sum-exp), to the op that was running; parameters,
 buffers and what is made from them alone (cast copies, per-token gathers of expert weights) are not
 activations; a storage saved by several ops counts once. This is the eager behaviour, fp32
-upcasts, rotary temporaries and GLU intermediates included, not a formula of it.
+upcasts, rotary temporaries and GLU intermediates included, not a formula of it. With ``autocast=True`` both
+replays run under bf16 ``torch.autocast`` (the export of a model with fp32 parameters, as the runtime computes
+it without FSDP2's mixed precision); the bf16 casts autocast makes of parameters inside an op are weights too.
 
 ``backward_excess_by_node(ep, block_of)`` replays the forward again with tensors freed as eager frees them and
 then runs the backward, counting live storages (``_LiveStorages``): per op, the most bytes its backward holds
@@ -30,9 +32,11 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
-def saved_bytes_by_node(ep: Any) -> dict[str, float] | None:
+def saved_bytes_by_node(ep: Any, *, autocast: bool = False) -> dict[str, float] | None:
     """Bytes saved for backward per ``call_function`` node name of ``ep`` (a ``torch.export.ExportedProgram``),
-    or None when the graph cannot run on fake tensors (the caller keeps its own estimate)."""
+    or None when the graph cannot run on fake tensors (the caller keeps its own estimate). ``autocast``: replay
+    under ``torch.autocast(dtype=bfloat16)`` (the export of a model with fp32 parameters, as the runtime computes
+    it there; see the module docstring)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.export.graph_signature import InputKind
@@ -40,18 +44,20 @@ def saved_bytes_by_node(ep: Any) -> dict[str, float] | None:
     try:
         with FakeTensorMode(allow_non_fake_inputs=True):
             args, frozen = _fake_inputs(ep, torch, InputKind)
-            return _run(ep, args, frozen, torch)
+            with _autocast(autocast, torch), _weight_casts(autocast, frozen, torch):
+                return _run(ep, args, frozen, torch)
     except Exception as e:  # noqa: BLE001 - any failure leaves the tracer's own estimate in place
         log.warning("could not replay the exported graph on fake tensors to count saved activations (%s: %s); "
                     "activation bytes fall back to op outputs", type(e).__name__, str(e).splitlines()[0][:200])
         return None
 
 
-def backward_excess_by_node(ep: Any, block_of: dict[str, str]) -> dict[str, float] | None:
+def backward_excess_by_node(ep: Any, block_of: dict[str, str], *, autocast: bool = False) -> dict[str, float] | None:
     """Per ``call_function`` node name of ``ep``: the most bytes live while its backward runs beyond those live
     when the backward of its block (``block_of``: node name -> block) began, less parameter gradients, plus the
     gradients made by the backward before and still alive then (what flows into the block). None when the
-    graph cannot run on fake tensors. See the module docstring."""
+    graph cannot run on fake tensors. ``autocast``: forward and backward under bf16 autocast, as
+    ``saved_bytes_by_node``. See the module docstring."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.export.graph_signature import InputKind
@@ -59,11 +65,44 @@ def backward_excess_by_node(ep: Any, block_of: dict[str, str]) -> dict[str, floa
     try:
         with FakeTensorMode(allow_non_fake_inputs=True):
             args, frozen = _fake_inputs(ep, torch, InputKind)
-            return _run_backward(ep, args, block_of, torch, frozen)
+            with _autocast(autocast, torch):
+                return _run_backward(ep, args, block_of, torch, frozen)
     except Exception as e:  # noqa: BLE001 - any failure leaves the backward's working bytes unpriced
         log.warning("could not replay the exported graph's backward on fake tensors (%s: %s); the backward's "
                     "working bytes are not priced", type(e).__name__, str(e).splitlines()[0][:200])
         return None
+
+
+def _autocast(on: bool, torch: Any) -> Any:
+    """bf16 autocast on the replay's CPU device, as the runtime computes fp32 parameters (``on``), or nothing."""
+    import contextlib
+
+    return torch.autocast("cpu", dtype=torch.bfloat16) if on else contextlib.nullcontext()
+
+
+def _weight_casts(on: bool, frozen: set[int], torch: Any) -> Any:
+    """Under autocast (``on``): a ``TorchDispatchMode`` that adds to ``frozen`` the storages of the casts and
+    views autocast makes of parameters inside an op (the bf16 copy of a linear's weight, which its backward
+    saves): weights, priced as the target's ``autocast_weight_copies``, not activations (the rule
+    ``_from_weights`` applies to the graph's own nodes). Otherwise nothing."""
+    import contextlib
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    if not on:
+        return contextlib.nullcontext()
+
+    class _WeightCasts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            if str(func).startswith(_VIEWS_AND_CASTS):
+                floats = [t for t in _tensors([*args, *kwargs.values()], torch) if t.dtype.is_floating_point]
+                if floats and all(_storage(t) in frozen for t in floats):
+                    frozen.update(_storage(t) for t in _tensors(out, torch))
+            return out
+
+    return _WeightCasts()
 
 
 def _live_storages(torch: Any) -> Any:
@@ -195,7 +234,8 @@ def _fake_inputs(ep: Any, torch: Any, kinds: Any) -> tuple[list[Any], set[int]]:
 
 def _cpu_interpreter(torch: Any) -> type:
     """An ``fx.Interpreter`` that makes on the replay's CPU device the factories traced on meta (position ids,
-    masks)."""
+    masks), and skips the export's checks of the dtypes it traced (``aten._assert_tensor_metadata``: they
+    allocate nothing, and under autocast the replay's dtypes differ from the export's by design)."""
     from torch.fx import Interpreter
 
     def on_cpu(v: Any) -> Any:
@@ -203,6 +243,8 @@ def _cpu_interpreter(torch: Any) -> type:
 
     class _OnCpu(Interpreter):
         def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+            if target is torch.ops.aten._assert_tensor_metadata.default:
+                return None
             kwargs = {k: (torch.device("cpu") if k == "device" and getattr(v, "type", v) == "meta" else v)
                       for k, v in kwargs.items()}
             return super().call_function(target, tuple(on_cpu(a) for a in args), kwargs)

@@ -76,18 +76,24 @@ def cast_floating(example_inputs: tuple, dtype: Any) -> tuple:
                                 tuple(example_inputs))
 
 
-def trace(model: Any, example_inputs: tuple, *, full_depth: bool = False, causal_mask: bool = True) -> OpGraph:
-    """Trace ``model(*example_inputs)`` into an ``OpGraph`` (see the module docstring for the depth shortcut)."""
+def trace(model: Any, example_inputs: tuple, *, full_depth: bool = False, causal_mask: bool = True,
+          autocast: bool = False) -> OpGraph:
+    """Trace ``model(*example_inputs)`` into an ``OpGraph`` (see the module docstring for the depth shortcut).
+
+    ``autocast``: the saved activations and the backward's working bytes (``planner.saved``) are those of the
+    graph run under bf16 ``torch.autocast`` (a model with fp32 parameters computed as the runtime computes it
+    without FSDP2's mixed precision: fp32 residual stream and norms, bf16 matmuls); the export, and so the ops,
+    shapes and dtypes, are the model's own."""
     t0 = time.perf_counter()
     found = find_layer_list(model)
     graph = None
     if found is not None and not full_depth and len(found[1]) > 2:
-        graph = _trace_shortcut(model, example_inputs, found, causal_mask=causal_mask)
+        graph = _trace_shortcut(model, example_inputs, found, causal_mask=causal_mask, autocast=autocast)
     if graph is None:
         layer_fqns = tuple(f"{found[0]}.{i}" for i in range(len(found[1]))) if found else ()
         ep = export_model(model, example_inputs)
         graph = _graph_from_export(ep, layer_parent=found[0] if found else None, layer_fqns=layer_fqns,
-                                   causal_mask=causal_mask)
+                                   causal_mask=causal_mask, autocast=autocast)
     unsupported = tuple(sorted(Counter(op_name_of(n) for n in graph.nodes if not n.covered).items()))
     return replace(graph, unsupported=unsupported, module_kinds=module_kinds(model),
                    trace_time_s=time.perf_counter() - t0)
@@ -231,13 +237,14 @@ def _swapped_layers(model: Any, parent_fqn: str, keep: list[int]) -> Iterator[No
 
 
 def _trace_shortcut(model: Any, example_inputs: tuple, found: tuple[str, Any], *,
-                    causal_mask: bool) -> OpGraph | None:
+                    causal_mask: bool, autocast: bool = False) -> OpGraph | None:
     parent, layers = found
     keep, rep, keys = _representatives(layers)
     with _swapped_layers(model, parent, keep):
         ep = export_model(model, example_inputs)
     reduced_fqns = tuple(f"{parent}.{j}" for j in range(len(keep)))
-    reduced = _graph_from_export(ep, layer_parent=parent, layer_fqns=reduced_fqns, causal_mask=causal_mask)
+    reduced = _graph_from_export(ep, layer_parent=parent, layer_fqns=reduced_fqns, causal_mask=causal_mask,
+                                 autocast=autocast)
     full_fqns = tuple(f"{parent}.{i}" for i in range(len(layers)))
     graph = _expand(reduced, rep=rep, keys=keys, full_fqns=full_fqns)
     if graph is None:
@@ -357,7 +364,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def _graph_from_export(ep: Any, *, layer_parent: str | None, layer_fqns: tuple[str, ...],
-                       causal_mask: bool) -> OpGraph:
+                       causal_mask: bool, autocast: bool = False) -> OpGraph:
     import torch
 
     sig = ep.graph_signature
@@ -371,7 +378,7 @@ def _graph_from_export(ep: Any, *, layer_parent: str | None, layer_fqns: tuple[s
         fqn = param_of.get(ph.name)
         grad[ph.name] = bool(fqn is not None and getattr(state.get(fqn), "requires_grad", True))
     layer_set = set(layer_fqns)
-    saved = saved_bytes_by_node(ep) or {}
+    saved = saved_bytes_by_node(ep, autocast=autocast) or {}
     nodes: list[OpNode] = []
     edges: dict[tuple[str, str], float] = {}
     param_sizes: dict[str, int] = {}
@@ -397,7 +404,7 @@ def _graph_from_export(ep: Any, *, layer_parent: str | None, layer_fqns: tuple[s
         for src in _tensor_inputs(fx):
             if src.op == "call_function":
                 edges[(src.name, fx.name)] = eff_bytes.get(src.name, 0.0)
-    backward = backward_excess_by_node(ep, {n.name: n.block for n in nodes}) if saved else None
+    backward = backward_excess_by_node(ep, {n.name: n.block for n in nodes}, autocast=autocast) if saved else None
     if backward is not None:
         nodes = [replace(n, backward_bytes=backward.get(n.name, 0.0)) for n in nodes]
     return OpGraph(nodes=tuple(nodes), edges=tuple(Edge(src=s, dst=d, nbytes=b) for (s, d), b in edges.items()),

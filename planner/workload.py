@@ -5,6 +5,11 @@ same triples the runtime sees), casts the meta model to bf16 (the training compu
 bf16 bytes), traces it and returns the ``Workload`` plus the ``ModelInfoBits`` a ``planner.plan.ModelInfo``
 needs. It is memoized per (spec, seq) by ``functools.lru_cache`` on a pure function, so planning repeatedly
 does not re-trace; ``clear_cache()`` empties it.
+
+Ranks that compute fp32 parameters under bf16 autocast (no FSDP2 mixed precision) keep other activations than
+the bf16 trace: the workload's coster gets an ``AutocastTrace`` of the same meta model, which traces it with
+fp32 parameters under autocast (``planner.trace.trace(autocast=True)``) the first time such a rank is priced,
+and keeps the graph (``planner.search.block_cost``).
 """
 
 from __future__ import annotations
@@ -12,10 +17,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
-from costmodel.errors import ConfigError
+from costmodel.errors import ConfigError, UnsupportedModelError
 from costmodel.workload import LayerWork, Workload
 from planner.dims import complete_dims
 from planner.graph import Block, BlockGroup, OpGraph, find_block_groups, find_blocks, pipeline_blocker
@@ -45,10 +50,38 @@ class ModelInfoBits:
     trace_time_s: float
 
 
+class AutocastTrace:
+    """The graph of a model with fp32 parameters traced under bf16 autocast (``planner.trace.trace(autocast=True)``),
+    made on the first call and kept (the model is let go then); None when it cannot be traced (a warning). The
+    model is cast to fp32 then: pass one nobody else uses (a meta model: the cast is free)."""
+
+    def __init__(self, model: Any, example_inputs: tuple) -> None:
+        self._model: Any = model
+        self._inputs = tuple(example_inputs)
+        self._graph: OpGraph | None = None
+
+    def __call__(self) -> OpGraph | None:
+        if self._model is not None:
+            import torch
+
+            from planner.trace import cast_floating, trace
+
+            model, self._model = self._model, None
+            try:
+                self._graph = trace(model.to(torch.float32), cast_floating(self._inputs, torch.float32),
+                                    autocast=True)
+            except UnsupportedModelError as e:
+                log.warning("no autocast trace (%s): autocast ranks' activations are priced from the bf16 trace", e)
+            self._inputs = ()
+        return self._graph
+
+
 def workload_from_graph(graph: OpGraph, dims: ModelDims, *, name: str, batch: int = 1,
-                        blocks: list[Block] | None = None) -> Workload:
+                        blocks: list[Block] | None = None,
+                        autocast_graph: Callable[[], OpGraph | None] | None = None) -> Workload:
     """Per-layer work for one sequence: embedding, each transformer layer, head (FLOPs divided by ``batch``,
-    the micro-batch the graph was traced with)."""
+    the micro-batch the graph was traced with). ``autocast_graph``: the same model's graph under autocast, made
+    when first asked for (``AutocastTrace``), for the coster's autocast regime."""
     if batch < 1:
         raise ConfigError(f"batch={batch} must be a positive integer (the micro-batch the graph was traced with)")
     blocks = blocks if blocks is not None else find_blocks(graph)
@@ -74,7 +107,8 @@ def workload_from_graph(graph: OpGraph, dims: ModelDims, *, name: str, batch: in
             len(shape) >= 3 and shape[0] == dims.experts for n in graph.nodes for _, shape, _ in n.params),
     }
     dtype_bytes = _DTYPE_BYTES.get(dtype, 4)
-    coster = GraphCoster(graph=graph, blocks=blocks, seq=dims.seq, dtype_bytes=dtype_bytes)
+    coster = GraphCoster(graph=graph, blocks=blocks, seq=dims.seq, dtype_bytes=dtype_bytes,
+                         autocast_graph=autocast_graph)
     return Workload(
         name=name, layers=layers, hidden=dims.hidden, heads=dims.heads, kv_heads=dims.kv_heads,
         ffn_hidden=dims.ffn_hidden, vocab=dims.vocab, seq=dims.seq, num_layers=n_layers or dims.layers,
@@ -137,6 +171,9 @@ class TracedSpec:
     fingerprint: str
     params: int
     """``sum(p.numel())`` over the full model's parameters (the traced graph must agree)."""
+    autocast: AutocastTrace | None = field(default=None, compare=False)
+    """The model (its meta build, cast to fp32 when first asked for) traced with fp32 parameters under autocast;
+    None when the model was not built on meta."""
 
 
 def trace_spec(spec: str, *, batch: int = 1, seq: int | None = None) -> TracedSpec:
@@ -148,9 +185,11 @@ def trace_spec(spec: str, *, batch: int = 1, seq: int | None = None) -> TracedSp
     named = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
     params = sum(_numel(s) for _, s, _ in named)
     inputs = bundle.example_inputs
+    autocast = None
     if named and all(p.device.type == "meta" for p in model.parameters()):
         import torch
 
+        autocast = AutocastTrace(model, inputs)  # the same meta model, cast back to fp32 if that is asked for
         model.to(torch.bfloat16)  # meta: no memory; the graph then carries bf16 activation bytes
         inputs = cast_floating(inputs, torch.bfloat16)  # float inputs (images, features) with the model
     graph = trace(model, inputs)
@@ -158,7 +197,8 @@ def trace_spec(spec: str, *, batch: int = 1, seq: int | None = None) -> TracedSp
     if graph.params != params:
         log.warning("%s: traced ops use %d parameters of %d (the rest is unused in forward)",
                     spec, graph.params, params)
-    return TracedSpec(dims=dims, graph=graph, fingerprint=model_fingerprint(named), params=params)
+    return TracedSpec(dims=dims, graph=graph, fingerprint=model_fingerprint(named), params=params,
+                      autocast=autocast)
 
 
 def workload_from_module(model: Any, example_inputs: Any, *, name: str) -> tuple[Workload, ModelInfoBits]:
@@ -192,7 +232,12 @@ def workload_from_module(model: Any, example_inputs: Any, *, name: str) -> tuple
     dims = complete_dims(ModelDims(arch="custom", layers=len(graph.layer_fqns), hidden=0, heads=0, kv_heads=0,
                                    ffn_hidden=0, vocab=0, seq=0), graph)
     blocks = find_blocks(graph)
-    workload = workload_from_graph(graph, dims, name=name, blocks=blocks)
+    # an fp32 module is what autocast computes (for a bf16 compute dtype asked of this fp32 trace): traced under
+    # autocast when first asked for (its cast to fp32 changes nothing); other dtypes, or a Hugging Face model
+    # whose KV cache is switched off for the trace only: not traced so
+    fp32 = all(p.dtype == torch.float32 for p in model.parameters() if p.is_floating_point())
+    autocast = AutocastTrace(model, sample) if fp32 and not cached else None
+    workload = workload_from_graph(graph, dims, name=name, blocks=blocks, autocast_graph=autocast)
     bits = ModelInfoBits(
         name=name, fingerprint=model_fingerprint(named), params=sum(_numel(s) for _, s, _ in named),
         num_layers=workload.num_layers, seq_len=dims.seq, dims=dims, graph=graph, blocks=tuple(blocks),
@@ -205,7 +250,7 @@ def workload_from_module(model: Any, example_inputs: Any, *, name: str) -> tuple
 def _traced(spec: str, seq: int | None) -> tuple[Workload, ModelInfoBits]:
     t = trace_spec(spec, batch=1, seq=seq)
     blocks = find_blocks(t.graph)
-    workload = workload_from_graph(t.graph, t.dims, name=spec, blocks=blocks)
+    workload = workload_from_graph(t.graph, t.dims, name=spec, blocks=blocks, autocast_graph=t.autocast)
     bits = ModelInfoBits(
         name=spec, fingerprint=t.fingerprint, params=t.params, num_layers=workload.num_layers,
         seq_len=t.dims.seq, dims=t.dims, graph=t.graph, blocks=tuple(blocks),

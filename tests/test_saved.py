@@ -66,6 +66,27 @@ def test_llama_layers_save_what_eager_saves():
     assert replayed == eager
 
 
+def test_llama_layers_under_autocast_save_what_eager_saves():
+    """The fp32 export of a 2-layer Llama replayed under bf16 autocast (``autocast=True``: fp32 residual stream,
+    RMSNorm and rotary in fp32, a bf16 copy of each linear's input, flash attention on bf16 casts of q / k / v)
+    counts exactly what eager autograd keeps under ``torch.autocast`` on real CPU tensors, less autocast's
+    cached bf16 copy of each linear weight (weights, priced as the target's ``autocast_weight_copies``)."""
+    spec = "llama:layers=2,hidden=128,ffn=352,heads=4,kv_heads=2,vocab=512,seq=64"
+    meta = build_model(spec, batch=2)
+    ep = export_model(meta.model, tuple(meta.example_inputs))  # fp32, as built
+    replayed = sum(saved_bytes_by_node(ep, autocast=True).values())
+    real = build_model(spec, batch=2, device="cpu").model.float()
+    ids = torch.randint(0, 512, (2, 64))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = _eager_saved_bytes(real, ids)
+    copies = sum(2 * w.numel() for w in {m.weight for m in real.modules() if isinstance(m, nn.Linear)})
+    assert replayed == eager - copies
+    # neither the bf16 replay nor the fp32 one without autocast
+    assert replayed not in (sum(saved_bytes_by_node(ep).values()),
+                            sum(saved_bytes_by_node(export_model(meta.model.to(torch.bfloat16),
+                                                                 tuple(meta.example_inputs))).values()))
+
+
 def test_untraceable_replay_returns_none(caplog):
     class _Bad(nn.Module):
         def forward(self, x):

@@ -6,20 +6,29 @@ traced ops: compute per op from its FLOPs and bytes, the collectives its strateg
 neighbours imply, the activation bytes the graph keeps for backward, recomputation. The answer is both the
 ``LayerCost`` the step model composes and the per-module shardings the plan file records, so what is priced
 is what the runtime is told to apply. Solutions are memoized per (block, context) for the planning run.
+
+Dtype regimes: the graph is traced with bf16 parameters (``planner.workload``), as FSDP2's mixed precision runs
+it. A rank computing fp32 parameters under bf16 autocast (``LayerCtx.autocast``: DDP / no wrapper on CUDA,
+every mode on CPU ranks) keeps other activations: an fp32 residual stream and norms, a bf16 copy of each
+linear's input. For such a context the block's saved bytes (``activation_bytes``) and its backward's working
+bytes come from the same model traced with fp32 parameters and replayed under autocast
+(``planner.trace.trace(autocast=True)``, made on first need by the ``autocast_graph`` the workload gives and
+kept), node for node, under the sharding solved on the bf16 graph; times are the bf16 graph's.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from typing import Sequence
+from dataclasses import replace
+from typing import Callable, Sequence
 
 from costmodel.block_cost import LayerCost, LayerCtx, PricedCollective
 from costmodel.compute import dispatch_time_s
 from costmodel.errors import ConfigError, InfeasiblePlanError
 from costmodel.workload import LayerWork
 from planner.search.block_ops import layer_ops_from_block
-from planner.search.block_plan import BlockStrategy, CostOptions, StrategyCache, block_strategy
+from planner.search.block_plan import BlockStrategy, CostOptions, StrategyCache, block_strategy, kept_activation_bytes
 from planner.search.strategies import LayerOp
 
 log = logging.getLogger(__name__)
@@ -52,7 +61,10 @@ class GraphCoster:
     """``BlockCoster`` over a traced graph (see the module docstring). One per traced model; it holds the
     memo of solved blocks, so the step model's own memo (by identity) stays valid."""
 
-    def __init__(self, *, graph, blocks: Sequence, seq: int, dtype_bytes: int = 2) -> None:
+    def __init__(self, *, graph, blocks: Sequence, seq: int, dtype_bytes: int = 2,
+                 autocast_graph: Callable[[], object] | None = None) -> None:
+        """``autocast_graph``: called at most once, when a bf16 context first asks for autocast (see the module
+        docstring): the same model's ``OpGraph`` traced with fp32 parameters under autocast, or None."""
         self._graph = graph
         self._block_list = tuple(blocks)
         self._blocks = {b.signature: b for b in blocks}
@@ -64,6 +76,8 @@ class GraphCoster:
         self._ops: dict[tuple[str, int], tuple] = {}
         self._other_dtypes: dict[int, GraphCoster] = {}
         self._backward: dict[str, tuple[float, float] | None] = {}
+        self._autocast_graph = autocast_graph
+        self._autocast: list[GraphCoster | None] = []  # the autocast regime's coster, once made
 
     @property
     def dtype_bytes(self) -> int:
@@ -81,7 +95,7 @@ class GraphCoster:
             raise ConfigError(f"dtype_bytes={dtype_bytes}: choose one of {sorted(_DTYPES)} (bf16, fp32)")
         if dtype_bytes not in self._other_dtypes:
             self._other_dtypes[dtype_bytes] = GraphCoster(graph=self._graph, blocks=self._block_list, seq=self._seq,
-                                                          dtype_bytes=dtype_bytes)
+                                                          dtype_bytes=dtype_bytes, autocast_graph=self._autocast_graph)
         return self._other_dtypes[dtype_bytes]
 
     def block_of(self, layer: LayerWork):
@@ -92,21 +106,46 @@ class GraphCoster:
                               f"{layer.signature[:12]!r}): build the workload and its coster from the same trace")
         return block
 
+    def _layer_ops(self, block, microbatch: int) -> tuple:
+        key = (block.signature, microbatch)
+        if key not in self._ops:
+            self._ops[key] = layer_ops_from_block(block, self._graph, microbatch=microbatch, seq=self._seq,
+                                                  dtype=self._dtype)
+        return self._ops[key]
+
     def strategy(self, layer: LayerWork, ctx: LayerCtx) -> BlockStrategy:
         """The block's solved sharding in ``ctx`` (memoized): what ``__call__`` prices."""
         cost = cost_options(ctx)
         block = self.block_of(layer)
-        key = (block.signature, ctx.microbatch)
-        if key not in self._ops:
-            self._ops[key] = layer_ops_from_block(block, self._graph, microbatch=ctx.microbatch, seq=self._seq,
-                                                  dtype=self._dtype)
         try:
             return block_strategy(block, graph=self._graph, tp=ctx.tp, cp=ctx.cp, ep=ctx.ep,
                                   microbatch=ctx.microbatch, seq=self._seq, sequence_parallel=ctx.sp,
                                   recompute=ctx.recompute, cluster=ctx.cluster, device=ctx.device,
-                                  dtype=self._dtype, cost=cost, cache=self.cache, ops=self._ops[key])
+                                  dtype=self._dtype, cost=cost, cache=self.cache,
+                                  ops=self._layer_ops(block, ctx.microbatch))
         except InfeasiblePlanError as e:  # e.g. no executable sequence-parallel sharding: the search skips it
             raise ConfigError(str(e)) from None
+
+    def autocast_regime(self) -> "GraphCoster | None":
+        """The coster of the graph's autocast regime (see the module docstring): this graph with each node's
+        saved and backward bytes from ``autocast_graph``; made once. None when this coster prices fp32 compute
+        (which runs without autocast), has no ``autocast_graph``, or that graph has no saved bytes or other
+        nodes (a warning)."""
+        if self._dtype_bytes != 2 or self._autocast_graph is None:
+            return None
+        if not self._autocast:
+            graph = _with_saved_bytes_of(self._graph, self._autocast_graph())
+            self._autocast.append(None if graph is None else GraphCoster(
+                graph=graph, blocks=self._block_list, seq=self._seq, dtype_bytes=self._dtype_bytes))
+        return self._autocast[0]
+
+    def _kept_bytes(self, layer: LayerWork, ctx: LayerCtx, s: BlockStrategy) -> tuple[float, float]:
+        """(activation, full activation) bytes of ``s`` with this coster's saved bytes."""
+        block = self.block_of(layer)
+        return kept_activation_bytes(block, s, ops=self._layer_ops(block, ctx.microbatch), tp=ctx.tp, cp=ctx.cp,
+                                     ep=ctx.ep, microbatch=ctx.microbatch, seq=self._seq, sequence_parallel=ctx.sp,
+                                     recompute=ctx.recompute, cluster=ctx.cluster, device=ctx.device,
+                                     dtype=self._dtype, cost=cost_options(ctx))
 
     def backward_bytes(self, layer: LayerWork, full_activation_bytes: float) -> float:
         """Bytes the block's backward holds beyond its saved activations and parameter gradients (the traced
@@ -138,9 +177,11 @@ class GraphCoster:
             part = "model" if layer.kind == "head" else "layer"
             d_f, d_b = dispatch_time_s(part=part, device=ctx.device, calibration=cal, tensor_parallel=ctx.tp > 1)
         rec = s.recompute_s + (d_f if ctx.recompute == "full" else 0.0)
-        working = s.full_activation_bytes - s.activation_bytes if ctx.recompute != "none" else 0.0
+        regime = self.autocast_regime() if ctx.autocast else None  # the bytes of that dtype regime, same sharding
+        act, full = regime._kept_bytes(layer, ctx, s) if regime else (s.activation_bytes, s.full_activation_bytes)
+        working = full - act if ctx.recompute != "none" else 0.0
         if layer.kind not in ("embedding", "head"):  # the head's backward is its logits and loss, below
-            working += self.backward_bytes(layer, s.full_activation_bytes)
+            working += (regime or self).backward_bytes(layer, full)
         if layer.kind == "head":  # the logits, and what the target's loss holds per logit element at its peak
             k = ctx.constants  # over vocabulary-sharded logits (a vocab_head), the vocab-parallel loss's bytes
             vocab_parallel = any(st == "vocab_head" for _, st in s.op_strategies)
@@ -154,9 +195,24 @@ class GraphCoster:
             recompute_s=rec,
             comm_fwd=dict(s.comm_s.get("forward", {})), comm_bwd=dict(s.comm_s.get("backward", {})),
             comm_recompute=dict(s.comm_s.get("recompute", {})),
-            activation_bytes=s.activation_bytes, working_bytes=max(0.0, working),
+            activation_bytes=act, working_bytes=max(0.0, working),
             params=s.params_local, expert_params=s.expert_params_local,
             collectives=tuple(PricedCollective(axis=axis, op=op, nbytes=nbytes, phase=phase, count=n)
                               for phase, axis, op, nbytes, n in s.collectives),
             solver=dict(s.solver),
         )
+
+
+def _with_saved_bytes_of(graph, other):
+    """``graph`` with each node's ``saved_bytes`` and ``backward_bytes`` those of the node of the same name and
+    op in ``other`` (the same model traced in another dtype regime); None (a warning) when ``other`` is None,
+    has no saved bytes, or its nodes differ."""
+    if other is None:
+        return None
+    same = [(n.name, n.target) for n in graph.nodes] == [(n.name, n.target) for n in other.nodes]
+    if not same or all(n.saved_bytes is None for n in other.nodes):
+        log.warning("the autocast trace has %s: its ranks' activations are priced from the bf16 trace",
+                    "other ops" if not same else "no saved bytes")
+        return None
+    return replace(graph, nodes=tuple(replace(n, saved_bytes=o.saved_bytes, backward_bytes=o.backward_bytes)
+                                      for n, o in zip(graph.nodes, other.nodes)))

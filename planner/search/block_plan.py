@@ -92,23 +92,37 @@ def _cost_strategy(op: LayerOp, s: OpStrategy, *, ctx: CostContext, mesh: MeshSh
     bwd = ctx.op_time_s(op, s, flops_bwd * frac, 2.0 * moved) if (flops_bwd or op.bytes_fwd) else 0.0
     # the weight gradient of a linear is one forward-sized matmul (dW = dY^T X)
     wgrad = bwd * min(1.0, op.flops_fwd / flops_bwd) if op.params and flops_bwd > 0 else 0.0
-    recomputed = recompute == "full" or (recompute == "selective" and op.kind == "attention")
+    recomputed = _recomputed(op, recompute)
     comm = tuple(("forward", c, 1) for c in s.comm_fwd) + tuple(("backward", c, 1) for c in s.comm_bwd)
     if recomputed:
         comm += tuple(("recompute", c, 1) for c in s.comm_fwd)
+    saved, full = _kept_bytes(op, s, ctx=ctx, mesh=mesh, recompute=recompute)
+    rec = fwd if recomputed else 0.0
+    if recompute == "selective" and ctx.selective == "op" and op.kind not in ("input", "output"):
+        rec = _op_checkpointed(op, s, fwd, frac)[1]
+    states = op.params * s.param_fraction * state_bytes_per_param
+    return _Costed(strategy=s, fwd_s=fwd, bwd_s=bwd, wgrad_s=wgrad, rec_s=rec, comm=comm,
+                   comm_s=_time_s(ctx, comm), state_bytes=states, act_bytes=saved, full_act_bytes=full,
+                   memory_bytes=states + activation_multiplier * saved)
+
+
+def _recomputed(op: LayerOp, recompute: str) -> bool:
+    return recompute == "full" or (recompute == "selective" and op.kind == "attention")
+
+
+def _kept_bytes(op: LayerOp, s: OpStrategy, *, ctx: CostContext, mesh: MeshShape,
+                recompute: str) -> tuple[float, float]:
+    """(bytes kept for the backward under ``recompute``, bytes kept without recomputation) of ``op`` under ``s``
+    on one device: its saved bytes as sharded, the scores of an unfused attention, a checkpointed block's input."""
     full = op.saved_bytes * s.act_fraction / mesh.cp
     if op.kind == "attention" and not ctx.flash:
         full += ctx.scores_bytes * s.work_fraction / (mesh.cp * mesh.cp)  # s/cp query rows against all s keys
     if recompute == "full" and op.kind == "input":  # torch.utils.checkpoint keeps the block's input
         full = max(full, op.out_bytes * s.act_fraction / mesh.cp)
-    saved = 0.0 if recomputed and op.kind != "input" else full
-    rec = fwd if recomputed else 0.0
+    saved = 0.0 if _recomputed(op, recompute) and op.kind != "input" else full
     if recompute == "selective" and ctx.selective == "op" and op.kind not in ("input", "output"):
-        saved, rec = _op_checkpointed(op, s, fwd, frac)
-    states = op.params * s.param_fraction * state_bytes_per_param
-    return _Costed(strategy=s, fwd_s=fwd, bwd_s=bwd, wgrad_s=wgrad, rec_s=rec, comm=comm,
-                   comm_s=_time_s(ctx, comm), state_bytes=states, act_bytes=saved, full_act_bytes=full,
-                   memory_bytes=states + activation_multiplier * saved)
+        saved = _op_checkpointed(op, s, 0.0, s.work_fraction / mesh.cp)[0]
+    return saved, full
 
 
 def _op_checkpointed(op: LayerOp, s: OpStrategy, fwd_s: float, frac: float) -> tuple[float, float]:
@@ -402,8 +416,7 @@ def block_strategy(block, *, graph, tp: int, cp: int = 1, ep: int = 1, microbatc
                           f"{[d for d in range(1, seq + 1) if seq % d == 0 and d <= 64]}")
     options = options or intra_op.SolverOptions()
     gpu = device if device is not None else cluster.node_type_of_rank(first_rank).gpu
-    mesh = MeshShape(tp=tp, cp=cp, ep=ep, sequence_parallel=bool(sequence_parallel and tp > 1),
-                     backend="gloo" if gpu.kind == "cpu" else "nccl")  # runtime.mesh.init_distributed's choice
+    mesh = _mesh(tp=tp, cp=cp, ep=ep, sequence_parallel=sequence_parallel, gpu=gpu)
     key = (getattr(block, "signature", None) or block.name, mesh, microbatch, seq, recompute, gpu.name, dtype,
            _cluster_key(cluster), first_rank, mem_budget_bytes, state_bytes_per_param, activation_multiplier,
            options, cost)
@@ -413,13 +426,8 @@ def block_strategy(block, *, graph, tp: int, cp: int = 1, ep: int = 1, microbatc
             return hit
     if ops is None:
         ops = layer_ops_from_block(block, graph, microbatch=microbatch, seq=seq, dtype=dtype)
-    attn = getattr(block, "attn_flops_fwd", 0.0)
-    causal = getattr(block, "attn_flops_fwd_causal", attn) / attn if attn else 1.0
-    ctx = cluster_cost_context(cluster, mesh=mesh, device=gpu, dtype=dtype, first_rank=first_rank,
-                               sustained_compute=cost.sustained_compute,
-                               fused_input_projections=cost.fused_input_projections, flash=cost.flash,
-                               causal_fraction=causal, attention_shape=_attention_shape(ops, seq, microbatch),
-                               softmax_bytes=cost.softmax_bytes, cost=cost)
+    ctx = _cost_context(block, ops, mesh=mesh, gpu=gpu, cluster=cluster, microbatch=microbatch, seq=seq,
+                        dtype=dtype, first_rank=first_rank, cost=cost)
     try:
         result = solve_block(ops, mesh=mesh, ctx=ctx, recompute=recompute,
                              state_bytes_per_param=state_bytes_per_param, activation_multiplier=activation_multiplier,
@@ -430,6 +438,45 @@ def block_strategy(block, *, graph, tp: int, cp: int = 1, ep: int = 1, microbatc
     if cache is not None:
         cache.put(key, result)
     return result
+
+
+def kept_activation_bytes(block, strategy: BlockStrategy, *, ops: Sequence[LayerOp], tp: int, cp: int = 1,
+                          ep: int = 1, microbatch: int, seq: int, sequence_parallel: bool = False,
+                          recompute: str = "none", cluster, device=None, dtype: str = "bf16", first_rank: int = 0,
+                          cost: CostOptions = CostOptions()) -> tuple[float, float]:
+    """(``activation_bytes``, ``full_activation_bytes``) of ``strategy`` (a solution of ``block_strategy`` for the
+    same block and arguments) with the saved bytes of ``ops`` instead: the block's coarse ops, of the same names,
+    as traced under another dtype regime (``planner.search.block_cost.GraphCoster``: fp32 parameters under bf16
+    autocast). The shardings and what the solution costs in time stay those it was solved for."""
+    gpu = device if device is not None else cluster.node_type_of_rank(first_rank).gpu
+    mesh = _mesh(tp=tp, cp=cp, ep=ep, sequence_parallel=sequence_parallel, gpu=gpu)
+    ctx = _cost_context(block, ops, mesh=mesh, gpu=gpu, cluster=cluster, microbatch=microbatch, seq=seq,
+                        dtype=dtype, first_rank=first_rank, cost=cost)
+    chosen = dict(strategy.op_strategies)
+    if set(chosen) != {op.name for op in ops}:
+        raise ConfigError(f"block {block.name!r}: the ops given are not those the strategy was solved for")
+    saved = full = 0.0
+    for op in ops:
+        s = next(c for c in candidates(op, mesh) if c.name == chosen[op.name])
+        kept, whole = _kept_bytes(op, s, ctx=ctx, mesh=mesh, recompute=recompute)
+        saved, full = saved + kept, full + whole
+    return saved, full
+
+
+def _mesh(*, tp: int, cp: int, ep: int, sequence_parallel: bool, gpu) -> MeshShape:
+    return MeshShape(tp=tp, cp=cp, ep=ep, sequence_parallel=bool(sequence_parallel and tp > 1),
+                     backend="gloo" if gpu.kind == "cpu" else "nccl")  # runtime.mesh.init_distributed's choice
+
+
+def _cost_context(block, ops: Sequence[LayerOp], *, mesh: MeshShape, gpu, cluster, microbatch: int, seq: int,
+                  dtype: str, first_rank: int, cost: CostOptions) -> CostContext:
+    attn = getattr(block, "attn_flops_fwd", 0.0)
+    causal = getattr(block, "attn_flops_fwd_causal", attn) / attn if attn else 1.0
+    return cluster_cost_context(cluster, mesh=mesh, device=gpu, dtype=dtype, first_rank=first_rank,
+                                sustained_compute=cost.sustained_compute,
+                                fused_input_projections=cost.fused_input_projections, flash=cost.flash,
+                                causal_fraction=causal, attention_shape=_attention_shape(ops, seq, microbatch),
+                                softmax_bytes=cost.softmax_bytes, cost=cost)
 
 
 def _attention_shape(ops: Sequence[LayerOp], seq: int, microbatch: int) -> tuple[int, int, int] | None:
