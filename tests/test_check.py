@@ -72,7 +72,7 @@ def test_check_rank_measures_each_category_and_exact_parameter_shards():
 def test_last_stage_runs_the_loss_over_vocabulary_shards():
     """tp2 x pp2: the last stage's head leaves the logits vocabulary-sharded and the loss runs loss-parallel, as
     the plan prices it (runtime/pipeline.py); with the logits gathered the rank measured 0.123 GB against 0.099
-    predicted (-19.7%), now 0.110 (-10.6%). The rest is the autocast activations gap of the CPU ranks."""
+    predicted (-19.7%), now 0.110 against 0.100 (-9.6%)."""
     from runtime.measure.memcheck import distinct_ranks
 
     plan = _plan("tp=2,pp=2,dp=2,schedule=1f1b,zero=2")
