@@ -267,7 +267,7 @@ def even_stage_layers(workload: Workload, chunks: int) -> tuple[int, ...]:
     return _even_cached(ByIdentity(workload.layers), int(chunks))
 
 
-_MAX_COLUMNS = ("work", "head_work", "maxparams", "maxact")
+_MAX_COLUMNS = ("work", "head_work", "maxparams", "maxxparams", "maxact")
 """Columns a chunk takes the largest of (transient bytes, the largest block's parameters and activations), not
 the sum."""
 
@@ -294,6 +294,8 @@ def _layer_columns(uniques: ByIdentity, ctx_key: _CtxKey) -> tuple[tuple[str, ..
         "params": [r.params for r in rows], "xparams": [r.expert_params for r in rows],
         "maxparams": [0.0 if layer.kind in ("embedding", "head") else r.params
                       for r, layer in zip(rows, uniques.obj)],
+        "maxxparams": [0.0 if layer.kind in ("embedding", "head") else r.expert_params
+                       for r, layer in zip(rows, uniques.obj)],
         "rootparams": [r.params if layer.kind in ("embedding", "head") else 0.0
                        for r, layer in zip(rows, uniques.obj)],
         # the parameters autocast casts for its matmuls: all but the token embedding's (a lookup, not cast)
@@ -774,15 +776,20 @@ def expert_shard_degree(workload: Workload, cfg: ParallelConfig) -> float:
 
 
 def fsdp_buffer_bytes(*, zero_stage: int, dp: int, block_params: float, root_params: float,
-                      grad_bytes: float, gather_bytes: float, reduce_per_microbatch: bool, gpu: bool = True
-                      ) -> tuple[float, float]:
+                      grad_bytes: float, gather_bytes: float, reduce_per_microbatch: bool, gpu: bool = True,
+                      expert_params: float = 0.0) -> tuple[float, float]:
     """``(gathered, reducing)``: bytes FSDP2 holds beyond the model states on one rank (``dp``: the sharding
     degree; nothing when it is 1), measured on a live-storage counter (``tests/test_memory_truth.py``):
 
     - ``gathered``, held whenever a block computes: at ZeRO-3 the parameters of the root module (FSDP2 does not
       reshard the root after forward: the embedding, final norm and head of the rank, ``root_params``) and of the
       block computing, and on a GPU of the next one too (FSDP2 prefetches one module ahead; CPU collectives are
-      synchronous), in the gathered dtype (``gather_bytes``);
+      synchronous), in the gathered dtype (``gather_bytes``), and the block's experts (``expert_params``, this
+      rank's local experts of its largest MoE block: ``runtime.data_parallel`` makes each experts module its own
+      FSDP2 unit, gathered inside its layer's unit while it computes; one at a time: the next block's dense unit is
+      what FSDP2 prefetches during an experts unit's backward, measured by ``autopar check`` on the Mixtral 8x7B
+      plan: 2 dense blocks and 1 experts module gathered at the peak; gathered in the gathered dtype even when
+      their shard degree is 1, a bf16 copy of fp32 shards);
     - ``reducing``, held while a block's gradients are reduced in a backward that reduce-scatters (ZeRO-3, and
       ZeRO-1 / 2 when ``reduce_per_microbatch``: the target's ZeRO-2 reduces every micro-batch, or there is one
       micro-batch): the unsharded gradients of that block and of the root module (FSDP2 reduces the root's group
@@ -797,7 +804,7 @@ def fsdp_buffer_bytes(*, zero_stage: int, dp: int, block_params: float, root_par
     reducing = staging + (block_params + root_params) * gather_bytes
     if zero_stage < 3:
         return 0.0, reducing
-    return (root_params + (2.0 if gpu else 1.0) * block_params) * gather_bytes, reducing
+    return (root_params + (2.0 if gpu else 1.0) * block_params + expert_params) * gather_bytes, reducing
 
 
 def recv_buffer_bytes(workload: Workload, cfg: ParallelConfig, k: StepConstants, m: int) -> np.ndarray:
@@ -902,6 +909,7 @@ def _memory(workload: Workload, cfg: ParallelConfig, ch: dict[str, np.ndarray], 
     buffers = 2.0 * tokens * w.hidden * w.dtype_bytes if cfg.tp > 1 else 0.0
     buffers = np.full(pp, buffers)
     block = _per_rank(ch["maxparams"], v, pp, "max")
+    block_experts = _per_rank(ch["maxxparams"], v, pp, "max")
     block_act = _per_rank(ch["maxact"], v, pp, "max")
     grad_b, gather_b = dp_bytes(w, cfg, target.constants)
     root = _per_rank(ch["rootparams"], v, pp)
@@ -912,7 +920,7 @@ def _memory(workload: Workload, cfg: ParallelConfig, ch: dict[str, np.ndarray], 
             gathered, reducing = fsdp_buffer_bytes(
                 zero_stage=cfg.zero_stage, dp=cfg.dp * cfg.cp, block_params=float(block[r]),
                 root_params=float(root[r]), grad_bytes=grad_b, gather_bytes=gather_b, reduce_per_microbatch=each,
-                gpu=bool(gpu[r]))
+                gpu=bool(gpu[r]), expert_params=float(block_experts[r]))
             # a block's reduction starts once the loss and that block have run their backward: the peak holds
             # the larger of the logits (+ loss) and the reduction buffers less what those two freed
             logits = float(terms["logits"][r])

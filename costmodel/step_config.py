@@ -70,6 +70,10 @@ class StepConstants:
       grouped linear and pass): the experts op of a pass takes at least local experts x GEMMs x this (a dropless
       MoE layer syncs the host on its token counts, so the host cannot run ahead of it); 0: a single grouped
       kernel, never host-bound.
+    - ``expert_dispatch_saved``: how many (rows, hidden) tensors of the dispatched (token, expert) rows the
+      target's expert-parallel forward keeps for the backward beyond what the model's own experts keep (the
+      traced graph): tensors of one all-to-all's size (``LayerOp.dispatch_bytes``) per MoE layer and micro-batch
+      on an ep rank; 0: the experts run as traced.
     - ``softmax_bytes`` per attention score of unfused attention (scaled-masked softmax + dropout).
     - ``elementwise_replicated_bytes`` / ``elementwise_ffn_bytes``: norms, dropout, residuals / bias + activation
       (the closed-form oracle; a traced block has its own ops).
@@ -131,6 +135,7 @@ class StepConstants:
     selective_recompute: str
     expert_gemm_efficiency: float
     expert_gemm_host_s: float
+    expert_dispatch_saved: float
     softmax_bytes: float
     elementwise_replicated_bytes: float
     elementwise_ffn_bytes: float

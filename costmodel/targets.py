@@ -51,6 +51,7 @@ FACTS: dict[str, type] = {
 CONSTANT_TABLES: dict[str, dict[str, type]] = {
     "kernels": {"sustained_compute": float, "tp_fused_input_projections": bool, "fused_memory_bound": bool,
                 "selective_recompute": str, "expert_gemm_efficiency": float, "expert_gemm_host_s": float,
+                "expert_dispatch_saved": float,
                 "softmax_bytes": float,
                 "elementwise_replicated_bytes": float, "elementwise_ffn_bytes": float,
                 "optimizer_bytes_per_param": float, "loss_bytes_per_logit": float,

@@ -367,6 +367,10 @@ def test_fsdp_buffers_follow_the_stage():
     assert fsdp_buffer_bytes(zero_stage=3, reduce_per_microbatch=True, gpu=False, **kw)[0] == pytest.approx(
         (3e5 + 1e6) * 2.0)
     assert fsdp_buffer_bytes(zero_stage=3, reduce_per_microbatch=True, **dict(kw, dp=1)) == (0.0, 0.0)
+    # a MoE block's experts module is its own FSDP2 unit, gathered once beside the two dense blocks (measured by
+    # autopar check on the Mixtral 8x7B plan: 2 dense blocks and 1 experts module at the peak); not reduced here
+    moe = fsdp_buffer_bytes(zero_stage=3, reduce_per_microbatch=True, expert_params=4e6, **kw)
+    assert moe == pytest.approx(((3e5 + 2e6 + 4e6) * 2.0, 2e6 * 4.0 + 1.3e6 * 2.0))
 
 
 def test_cpu_and_gpu_layouts_differ_only_in_the_gathered_dtype():
@@ -545,3 +549,81 @@ def test_the_head_rank_holds_the_larger_of_logits_and_a_block_backward():
     assert head > 0 and work > 0
     kept = t["activations"][-1] + t["logits"][-1] - max(work, head)
     assert kept == pytest.approx(float(ch["act"][-1]) * 1.0)  # the last stage's one micro-batch in flight
+
+
+def _moe_forward_kept_per_layer(spec: str, batch: int, expert_parallel: bool) -> list[int]:
+    """Per layer of a bf16 Mixtral on real CPU tensors, counted by the runtime's live-bytes counter: the bytes a
+    layer's forward leaves live (what autograd keeps for its backward, and its output), parameters aside. Experts
+    as the runtime runs them: Hugging Face's ``grouped_mm`` (ep = 1) or the expert-parallel loop
+    (``runtime.expert_parallel``, here on a 1-rank gloo group: every expert local, the same ops as on an ep rank)."""
+    from planner.models import build_model
+    from runtime.expert_parallel import _ep_forward
+
+    torch.manual_seed(0)
+    model = build_model(spec, batch=batch, device="cpu").model.to(torch.bfloat16)
+    model.set_experts_implementation("grouped_mm")
+    if expert_parallel:
+        for layer in model.model.layers:
+            experts = layer.mlp.experts
+            experts._autopar_ep_group, experts._autopar_ep = dist.group.WORLD, 1
+            experts._autopar_local_experts = experts.gate_up_proj.shape[0]
+            experts.forward = _ep_forward.__get__(experts, type(experts))
+    mt = LiveBytes()
+    marks: list[int] = []
+    hooks = [h for layer in model.model.layers for h in (
+        layer.register_forward_pre_hook(lambda m, a: marks.append(mt.total)),
+        layer.register_forward_hook(lambda m, a, o: marks.append(mt.total)))]
+    ids = torch.randint(0, 512, (batch, 64), generator=torch.Generator().manual_seed(1))
+    try:
+        with mt, mt.phase("activations", "forward"):
+            mt.relabel(list(model.parameters()), "parameters")
+            model(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [marks[i + 1] - marks[i] for i in range(0, len(marks), 2)]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed.nn.functional.all_to_all_single is deprecated")
+def test_expert_parallel_forward_keeps_two_dispatch_tensors_more_than_grouped_experts():
+    """The runtime's expert-parallel forward (``runtime.expert_parallel.ep_experts``) keeps two (tokens x top-k,
+    hidden) tensors per MoE layer more than the model's grouped-GEMM experts: the rows back from the combine
+    all-to-all (saved by their product with the routing weights) and that product (saved by the index_add that
+    sums it into the tokens). The step model prices them on expert-parallel ranks (the autopar target's
+    ``expert_dispatch_saved`` x the experts op's all-to-all bytes): on the Mixtral 8x7B plan of
+    ``benchmarks.memory_fidelity`` they were 2.7 GB of rank 0's peak, unpriced. Measured per layer with the
+    live-bytes counter, the difference is the priced term within 1%, and each layer keeps what the coster
+    prices (ep 1 / ep 2) within 2%, its output (the next layer's input) aside."""
+    import os
+
+    from costmodel.step import layer_contexts
+    from planner.workload import workload_from_model
+
+    spec = "mixtral:layers=2,hidden=128,ffn=352,heads=4,kv_heads=2,vocab=512,seq=64,experts=4,topk=2"
+    batch, hidden, topk = 2, 128, 2
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29537")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        grouped = _moe_forward_kept_per_layer(spec, batch, expert_parallel=False)
+        looped = _moe_forward_kept_per_layer(spec, batch, expert_parallel=True)
+    finally:
+        dist.destroy_process_group()
+    w, _ = workload_from_model(spec)
+    cluster = make_cluster("local", 1, gpus_per_node=2)
+    priced = {}
+    for ep in (1, 2):
+        cfg = ParallelConfig(dp=2, ep=ep, microbatch=batch, global_batch=2 * batch)
+        priced[ep] = [w.coster(layer, ctx).activation_bytes
+                      for layer, ctx in zip(w.layers, layer_contexts(w, cfg, cluster)) if layer.kind == "transformer"]
+    rows = batch * 64 * topk
+    term = load_target("autopar").constants.expert_dispatch_saved * rows * hidden * 2  # bf16
+    assert term == 2 * rows * hidden * 2
+    output = batch * 64 * hidden * 2
+    for g, e, p1, p2 in zip(grouped, looped, priced[1], priced[2]):
+        assert p2 - p1 == pytest.approx(term)
+        assert e - g == pytest.approx(term, rel=0.01), (grouped, looped)
+        assert g - output == pytest.approx(p1, rel=0.02), (grouped, priced)
+        assert e - output == pytest.approx(p2, rel=0.02), (looped, priced)

@@ -115,6 +115,8 @@ def _kept_bytes(op: LayerOp, s: OpStrategy, *, ctx: CostContext, mesh: MeshShape
     """(bytes kept for the backward under ``recompute``, bytes kept without recomputation) of ``op`` under ``s``
     on one device: its saved bytes as sharded, the scores of an unfused attention, a checkpointed block's input."""
     full = op.saved_bytes * s.act_fraction / mesh.cp
+    if op.kind == "experts" and s.style == "expert":  # the target's expert-parallel forward (ep > 1) keeps more
+        full += ctx.expert_dispatch_saved * op.dispatch_bytes / mesh.cp
     if op.kind == "attention" and not ctx.flash:
         full += ctx.scores_bytes * s.work_fraction / (mesh.cp * mesh.cp)  # s/cp query rows against all s keys
     if recompute == "full" and op.kind == "input":  # torch.utils.checkpoint keeps the block's input

@@ -45,6 +45,9 @@ class CostContext:
     selective: str = "attention"
     """What ``recompute="selective"`` recomputes: ``attention`` (the attention core, Korthikanti et al.) or
     ``op`` (op-level checkpointing: only matmul and attention outputs are kept, ``_op_checkpointed``)."""
+    expert_dispatch_saved: float = 0.0
+    """Tensors of one all-to-all's size (``LayerOp.dispatch_bytes``) the target's expert-parallel forward keeps
+    for the backward per experts op beyond its traced ``saved_bytes`` (``StepConstants.expert_dispatch_saved``)."""
 
     def collective_time_s(self, c: Collective) -> float:
         return self.collective(c)[1]
@@ -142,7 +145,7 @@ def cluster_cost_context(cluster, *, mesh: MeshShape, device=None, dtype: str = 
         scores = 5.0 * heads * seq * seq  # Korthikanti et al.: scores + softmax (2 B each) + dropout mask (1 B)
     return CostContext(op_time_s=op_time, collective=coll, fused_input_projections=fused_input_projections,
                        flash=flash, scores_bytes=scores, weight_bytes_per_param=float(DTYPE_BYTES.get(dtype, 2)),
-                       selective=opts.selective)
+                       selective=opts.selective, expert_dispatch_saved=opts.expert_dispatch_saved)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -160,3 +163,4 @@ class CostOptions:
     tp_comm_exposed: float = 1.0
     selective: str = "attention"
     expert_gemm_efficiency: float = 1.0
+    expert_dispatch_saved: float = 0.0

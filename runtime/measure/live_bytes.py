@@ -187,10 +187,12 @@ class LiveBytes(TorchDispatchMode):
         super().__exit__(*args)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        if any(t is DTensor for t in types):
+        if DTensor in types:
             return NotImplemented  # let DTensor run its local ops, which come back here
         out = func(*args, **(kwargs or {}))
-        if active_fake_mode() is self._fake_on_entry:
+        # an op returns tensors, a tuple / list of them, or values without storage (sizes, a device: half the
+        # ops of a fake step are prim.device, asked by autograd and DTensor), which are not looked at further
+        if isinstance(out, (torch.Tensor, tuple, list)) and active_fake_mode() is self._fake_on_entry:
             self._add_out(out, self.category)
         return out
 
