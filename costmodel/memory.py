@@ -25,8 +25,9 @@ the logits and what the target's loss holds per logit element (``StepConstants.l
 tensor-parallel buffers (DDP's buckets are in its layout's gradient bytes); for FSDP2 layouts, while a block's
 gradients are reduced, their unsharded copy, the root module's and the reduce-scatter staging (two at ZeRO-3; the
 peak holds the larger of these and the logits, which are freed first), and at ZeRO-3 the gathered root module
-and two gathered blocks on a GPU (the one computing and the one prefetched; one on a CPU,
-``costmodel.step.fsdp_buffer_bytes``); other ZeRO-3 layouts two prefetched layers. The allocator reserve, on
+and two gathered blocks on a GPU (the one computing and the one prefetched; one on a CPU), with a MoE block's
+experts module, its own FSDP2 unit, gathered once beside them (``costmodel.step.fsdp_buffer_bytes``); other ZeRO-3
+layouts two prefetched layers. The allocator reserve, on
 GPU ranks only, is the CUDA context (with cuBLAS / NCCL workspaces) plus a stated fragmentation margin of 5% of everything else (``MemoryConstants``); device capacities are the bytes
 PyTorch can allocate (``costmodel.hardware``).
 """
