@@ -63,7 +63,7 @@ from costmodel.hardware import Cluster
 from costmodel.block_cost import LayerCtx
 from costmodel.step_config import (ParallelConfig, StepConstants, check_recompute_layers, check_stage_layers,
                                    validate_config)
-from costmodel.targets import Target, load_target
+from costmodel.targets import Target, config_facts, load_target
 from costmodel.workload import Workload
 
 __all__ = ["ParallelConfig", "StepEstimate", "StepConstants", "Target", "default_target", "estimate_step",
@@ -793,32 +793,30 @@ def _inflight(schedule: str, pp: int, m: int, v: int) -> np.ndarray:
 
 def _rank_modes(workload: Workload, cfg: ParallelConfig, target: Target, gpu: np.ndarray) -> tuple:
     """Per pipeline rank, the target's ``[memory.*]`` mode for ``cfg`` on that rank's device kind (memoized on
-    the facts ``targets.config_facts`` reads, the target and the per-rank device kinds by identity: the modes
-    depend on ``cfg`` only through them, not on ``recompute_layers``, the global batch beside the micro-batch
-    count, flash attention or overlap)."""
+    the facts of ``targets.config_facts`` the target's modes test, the target and the per-rank device kinds by
+    identity)."""
     w = workload
-    facts = (cfg.num_microbatches if cfg.microbatch else 0, cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep, cfg.zero_stage,
-             cfg.virtual_stages or 1, cfg.microbatch or 0, cfg.schedule, cfg.recompute, cfg.sequence_parallel,
-             cfg.precision, w.experts, w.tied_embeddings, w.glu)
-    found = _rank_modes_cached(ByIdentity(target), ByIdentity(gpu), facts)
+    facts = config_facts(cfg, experts=w.experts, tied_embeddings=w.tied_embeddings, glu=w.glu)
+    key = tuple(facts[f] for f in _mode_facts(ByIdentity(target)))
+    found = _rank_modes_cached(ByIdentity(target), ByIdentity(gpu), key)
     if found is None:  # no mode holds: the target's own error, naming the configuration
         for g in sorted({bool(x) for x in gpu.tolist()}):
             target.memory_mode(cfg, experts=w.experts, tied_embeddings=w.tied_embeddings, glu=w.glu, gpu=g)
     return found
 
 
-_FACT_NAMES = ("microbatches", "tp", "pp", "dp", "cp", "ep", "zero_stage", "virtual_stages", "microbatch",
-               "schedule", "recompute", "sequence_parallel", "precision", "experts", "tied_embeddings", "glu")
-"""The order of ``_rank_modes``'s facts (``targets.config_facts`` less ``moe``, which follows from ``experts``,
-and ``gpu``)."""
+@functools.lru_cache(maxsize=64)
+def _mode_facts(target_id: ByIdentity) -> tuple[str, ...]:
+    """The facts the target's modes test, less ``gpu`` (per rank: ``_rank_modes_cached`` adds it)."""
+    return tuple(f for f in target_id.obj.mode_facts() if f != "gpu")
 
 
-@functools.lru_cache(maxsize=65536)
-def _rank_modes_cached(target_id: ByIdentity, gpu_id: ByIdentity, facts: tuple) -> tuple | None:
-    """``_rank_modes`` on its key; None when no mode holds for some rank."""
+@functools.lru_cache(maxsize=16384)
+def _rank_modes_cached(target_id: ByIdentity, gpu_id: ByIdentity, values: tuple) -> tuple | None:
+    """``_rank_modes`` where the facts ``_mode_facts`` names take ``values``; None when no mode holds for some
+    rank."""
     target, gpu = target_id.obj, gpu_id.obj.tolist()
-    base = dict(zip(_FACT_NAMES, facts))
-    base["moe"] = base["experts"] > 0
+    base = dict(zip(_mode_facts(target_id), values))
     modes = {g: target.mode_for({**base, "gpu": g}) for g in sorted({bool(x) for x in gpu})}
     if any(mode is None for mode in modes.values()):
         return None

@@ -234,9 +234,13 @@ class Target:
         raise ProfileError(f"target {self.name}: no [memory.*] mode holds for {config.summary()}; "
                            f"modes: {', '.join(m.name for m in self.modes)}")
 
+    def mode_facts(self) -> tuple[str, ...]:
+        """The facts some ``[memory.*]`` mode's ``when`` tests (sorted): ``memory_mode`` depends on these only."""
+        return _tested_facts(ByIdentity(self))[0]
+
     def mode_for(self, facts: dict[str, Any]) -> MemoryMode | None:
-        """The first mode whose ``when`` holds for ``facts`` (``config_facts``), None when none does (memoized on
-        the facts the modes test)."""
+        """The first mode whose ``when`` holds for ``facts`` (``config_facts``, or any dict with the
+        ``mode_facts``), None when none does (memoized on the facts the modes test)."""
         me = ByIdentity(self)
         found = _first_mode(me, tuple(facts[f] for f in _tested_facts(me)[0]))
         return None if found is None else self.modes[found]
