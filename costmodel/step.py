@@ -33,9 +33,10 @@ memoized too (``functools.lru_cache`` on hashable keys, the workload and cluster
 layer context (micro-batch, tp, cp, ep, sp, recomputation, flash; one key object per context), the per-chunk sums
 per context and cut, the pipeline time per (schedule, pp, v, micro-batches, dp), the data-parallel collectives and
 the concurrent-traffic slowdown per rank's parameters and position within its node, the FLOPs, the per-rank
-devices, the target's memory modes per the facts they test and the model states per the ranks' parameters.
-Cached arrays are read-only. The GPT-3 175B search on 1,024 A100s (9,964 calls) costs ~0.6 ms CPU per call on
-the 2-core machine.
+devices, the target's memory modes per the facts they test, the model states per the ranks' parameters and the
+chunk tables folded onto the ranks per (table, v, pp). Cached arrays are read-only. The GPT-3 175B search on
+1,024 A100s (9,906 calls) spends ~0.45 ms CPU per call in its explore phase (block ILPs included) on the 2-core
+machine.
 
 FLOPs: ``model_tflops_per_gpu`` counts forward + backward of the workload (6N + attention, SC21 Eq. 3's 72 form
 for GPT); ``hw_tflops_per_gpu`` adds what recomputation re-runs (the 96 form with full recomputation), the
