@@ -33,9 +33,10 @@ memoized too (``functools.lru_cache`` on hashable keys, the workload and cluster
 layer context (micro-batch, tp, cp, ep, sp, recomputation, flash; one key object per context), the per-chunk sums
 per context and cut, the pipeline time per (schedule, pp, v, micro-batches, dp), the data-parallel collectives and
 the concurrent-traffic slowdown per rank's parameters and position within its node, the FLOPs, the per-rank
-devices, the target's memory modes per the facts they test and the model states per the ranks' parameters.
-Cached arrays are read-only. The GPT-3 175B search on 1,024 A100s (9,964 calls) costs ~0.6 ms CPU per call on
-the 2-core machine.
+devices, the target's memory modes per the facts they test, the model states per the ranks' parameters and the
+chunk tables folded onto the ranks per (table, v, pp). Cached arrays are read-only. The GPT-3 175B search on
+1,024 A100s (9,906 calls) spends ~0.45 ms CPU per call in its explore phase (block ILPs included) on the 2-core
+machine.
 
 FLOPs: ``model_tflops_per_gpu`` counts forward + backward of the workload (6N + attention, SC21 Eq. 3's 72 form
 for GPT); ``hw_tflops_per_gpu`` adds what recomputation re-runs (the 96 form with full recomputation), the
@@ -63,7 +64,7 @@ from costmodel.hardware import Cluster
 from costmodel.block_cost import LayerCtx
 from costmodel.step_config import (ParallelConfig, StepConstants, check_recompute_layers, check_stage_layers,
                                    validate_config)
-from costmodel.targets import Target, load_target
+from costmodel.targets import Target, config_facts, load_target
 from costmodel.workload import Workload
 
 __all__ = ["ParallelConfig", "StepEstimate", "StepConstants", "Target", "default_target", "estimate_step",
@@ -318,21 +319,39 @@ def _layer_columns(uniques: ByIdentity, ctx_key: _CtxKey) -> tuple[tuple[str, ..
 
 
 @functools.lru_cache(maxsize=4096)
+def _plain_key(ctx_key: _CtxKey) -> _CtxKey:
+    """``ctx_key`` without recomputation (memoized: one key object per context, hashed once)."""
+    return ctx_key if ctx_key.recompute == "none" else dataclasses.replace(ctx_key, recompute="none")
+
+
+@functools.lru_cache(maxsize=4096)
+def _column_plan(uniques: ByIdentity, ctx_key: _CtxKey) -> tuple[tuple[str, ...], np.ndarray, tuple[bool, ...],
+                                                                   tuple[int, ...], np.ndarray]:
+    """``_layer_columns`` with what ``_chunk_cached`` reads of it: names, table, per column whether it is one of
+    the ``_MAX_COLUMNS``, their indices and their rows broadcast over chunks (memoized: one per context)."""
+    names, cols = _layer_columns(uniques, ctx_key)
+    is_max = tuple(n in _MAX_COLUMNS for n in names)
+    at = tuple(i for i, m in enumerate(is_max) if m)
+    rows = cols[list(at)][:, None, :]
+    rows.setflags(write=False)
+    return names, cols, is_max, at, rows
+
+
+@functools.lru_cache(maxsize=4096)
 def _chunk_cached(ctx_key: _CtxKey, stage_layers: tuple[int, ...], mask: tuple[bool, ...]) -> dict[str, np.ndarray]:
     uniques, _ = _structure(ctx_key.workload.obj, stage_layers)
     plain, rec = _split(ctx_key.workload.obj, stage_layers, mask)
-    parts = [(plain, dataclasses.replace(ctx_key, recompute="none"))]
+    parts = [(plain, _plain_key(ctx_key))]
     if rec.any():
         parts.append((rec, ctx_key))
     out: dict[str, np.ndarray] = {}
     for counts, key in parts:
-        names, cols = _layer_columns(ByIdentity(uniques), key)
+        names, cols, is_max, at, rows = _column_plan(ByIdentity(uniques), key)
         table = (counts @ cols.T).T  # (columns, chunks)
         # the _MAX_COLUMNS take the largest of the distinct layers the chunk holds (all at once: (max columns, chunks))
-        at = [i for i, n in enumerate(names) if n in _MAX_COLUMNS]
-        largest = dict(zip(at, np.where(counts[None, :, :] > 0, cols[at][:, None, :], 0.0).max(axis=2)))
+        largest = dict(zip(at, np.where(counts[None, :, :] > 0, rows, 0.0).max(axis=2)))
         for i, n in enumerate(names):
-            if i in largest:
+            if is_max[i]:
                 out[n] = np.maximum(out[n], largest[i]) if n in out else largest[i]
             else:
                 out[n] = out[n] + table[i] if n in out else table[i]
@@ -619,23 +638,42 @@ def _can_overlap(cluster: Cluster) -> bool:
     return cal is None or cal.overlaps_communication(ranks)
 
 
+@functools.lru_cache(maxsize=256)
+def _can_overlap_cached(cluster_id: ByIdentity) -> bool:
+    """``_can_overlap`` (memoized, the cluster by identity)."""
+    return _can_overlap(cluster_id.obj)
+
+
+@functools.lru_cache(maxsize=16384)
+def _optimizer_s(part_id: ByIdentity, params: float, bytes_per_param: float) -> float:
+    """Adam's step over ``params`` parameters on the slowest device of the node-group part: memory-bound
+    (memoized, the part by identity)."""
+    part = part_id.obj
+    return op_time_s(flops=0.0, bytes_moved=params * bytes_per_param, op_class="elementwise",
+                     device=slowest_device(part), calibration=part.calibration)
+
+
 def _data_parallel(workload: Workload, cfg: ParallelConfig, parts: tuple[Cluster, ...], classes: tuple[int, ...],
-                   dense: np.ndarray, expert: np.ndarray, layers: np.ndarray, pipe: dict, m: int,
-                   k: StepConstants, tp_sharded: bool = False) -> dict:
+                   dense: np.ndarray, expert: np.ndarray, layers: tuple[int, ...], pipe: dict, m: int,
+                   k: StepConstants, tp_sharded: bool = False, *, wb: tuple[float, float] | None = None,
+                   send: float | None = None) -> dict:
     """Exposed dp seconds and optimizer seconds: the slowest pipeline rank of each, each rank's dp groups on
-    its own node groups (``parts[classes[r]]``) and its optimizer on its own device."""
+    its own node groups (``parts[classes[r]]``) and its optimizer on its own device. ``layers``: repeated
+    blocks per rank; ``wb``: ``dp_bytes``; ``send``: ``p2p_boundary_bytes`` (None: computed here)."""
     memo: dict[tuple[float, float, int, int], tuple[str, float]] = {}
     exposed, kind = 0.0, ""
     per_rank = [0.0] * cfg.pp
     dense_l, expert_l, bwd_l = dense.tolist(), expert.tolist(), pipe["bwd_rank_s"].tolist()
     rank_l = pipe["per_rank_s"].tolist()
-    wb = dp_bytes(workload, cfg, k)
-    layers_l = [int(x) for x in layers.tolist()]
+    if wb is None:
+        wb = dp_bytes(workload, cfg, k)
+    layers_l = layers
     overlaps: dict[int, bool] = {}  # per node-group part: whether its ranks overlap the reduction
     slow = None  # (cluster, op, send bytes): the pipeline sends share the reduction's links (one node group)
     if cfg.pp > 1 and cfg.dp * cfg.cp > 1 and len(parts) == 1 and len(parts[0].groups) == 1:
-        send = p2p_boundary_bytes(workload, mb=cfg.microbatch, tp=cfg.tp, cp=cfg.cp,
-                                  sp=cfg.sequence_parallel and cfg.tp > 1, k=k)
+        if send is None:
+            send = p2p_boundary_bytes(workload, mb=cfg.microbatch, tp=cfg.tp, cp=cfg.cp,
+                                      sp=cfg.sequence_parallel and cfg.tp > 1, k=k)
         slow = (ByIdentity(parts[0]), "all_reduce" if cfg.zero_stage == 0 else "reduce_scatter",
                 cfg.virtual_stages * send)
     slow_memo: dict[tuple[float, int], float] = {}
@@ -648,7 +686,7 @@ def _data_parallel(workload: Workload, cfg: ParallelConfig, parts: tuple[Cluster
                                  recompute=cfg.recompute, layers=key[2], tp_sharded=tp_sharded)
         lk, t = memo[key]
         if key[3] not in overlaps:
-            overlaps[key[3]] = cfg.overlap_grad_reduce and _can_overlap(parts[key[3]])
+            overlaps[key[3]] = cfg.overlap_grad_reduce and _can_overlap_cached(ByIdentity(parts[key[3]]))
         if not overlaps[key[3]]:
             window = 0.0
         elif cfg.zero_stage == 3 or (cfg.zero_stage == 2 and k.zero2_reduce_per_microbatch and m > 1):
@@ -680,21 +718,73 @@ def _data_parallel(workload: Workload, cfg: ParallelConfig, parts: tuple[Cluster
     for r, x in enumerate(shard.tolist()):
         key = (x, _class_of(classes, r))
         if key not in opt_memo:
-            part = parts[key[1]]
-            opt_memo[key] = op_time_s(flops=0.0, bytes_moved=x * k.optimizer_bytes_per_param, op_class="elementwise",
-                                      device=slowest_device(part), calibration=part.calibration)
+            opt_memo[key] = _optimizer_s(ByIdentity(parts[key[1]]), x, k.optimizer_bytes_per_param)
         opt_rank.append(opt_memo[key])
     return {"exposed_s": exposed, "kind": kind, "optimizer_s": max(opt_rank),
             "rest_s": tuple(e + o for e, o in zip(per_rank, opt_rank))}
 
 
 @functools.lru_cache(maxsize=4096)
-def _blocks_per_rank(uniques: ByIdentity, counts: ByIdentity, v: int, pp: int) -> np.ndarray:
-    """Repeated blocks (every entry but the embedding and the head) per pipeline rank (read-only): the units
-    ZeRO-3 gathers and reduces one at a time."""
+def _blocks_per_rank(uniques: ByIdentity, counts: ByIdentity, v: int, pp: int) -> tuple[int, ...]:
+    """Repeated blocks (every entry but the embedding and the head) per pipeline rank: the units ZeRO-3 gathers
+    and reduces one at a time."""
     is_block = np.array([1.0 if l.recomputable else 0.0 for l in uniques.obj])
     out = (counts.obj @ is_block).reshape(v, pp).sum(axis=0)
-    out.setflags(write=False)
+    return tuple(int(x) for x in out.tolist())
+
+
+_FOLD_SUM = ("params", "xparams", "embgrad", "act", "rootparams", "castparams")
+_FOLD_MAX = ("head_work", "work", "maxparams", "maxxparams", "maxact")
+"""The chunk columns ``_estimate`` and ``_memory`` read per pipeline rank: summed over the rank's chunks, or the
+largest of them."""
+
+
+@functools.lru_cache(maxsize=4096)
+def _folded(chunks: ByIdentity, v: int, pp: int) -> dict:
+    """The chunk arrays (``_chunk_sums``'s, memoized: by identity) folded onto the pipeline ranks
+    (``_per_rank``), read-only, and the ranks' dense parameters summed (``params_total``)."""
+    ch = chunks.obj
+    out: dict = {n: _per_rank(ch[n], v, pp) for n in _FOLD_SUM}
+    out.update({n: _per_rank(ch[n], v, pp, "max") for n in _FOLD_MAX})
+    out["params_total"] = float(out["params"].sum())
+    return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _boundary_counts(pp: int, v: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per pipeline rank: its chunks that keep their output for the backward (all but the last chunk) and its
+    receive buffers (an activation on every chunk but the first, a gradient on every chunk but the last),
+    read-only."""
+    chunks = np.arange(pp * v)
+    holds = _per_rank((chunks < pp * v - 1).astype(float), v, pp)
+    receives = _per_rank((chunks > 0).astype(float) + (chunks < pp * v - 1).astype(float), v, pp)
+    return holds, receives
+
+
+@dataclass(frozen=True, slots=True)
+class _ModeRates:
+    """Per pipeline rank, what ``_memory`` reads of the rank's memory mode over a data-parallel degree."""
+
+    gradients: np.ndarray
+    """Bytes per parameter of the gradients."""
+    autocast: np.ndarray
+    """``MemoryMode.autocast_weight_copies``."""
+    gradient_buffer: np.ndarray
+    """``MemoryMode.gradient_buffer``."""
+    fsdp2: tuple[bool, ...]
+
+
+@functools.lru_cache(maxsize=4096)
+def _mode_rates(target_id: ByIdentity, mode_ids: tuple[int, ...], d: int) -> _ModeRates:
+    """``_ModeRates`` of the ranks' modes (by identity: the target, in the key, holds them) over ``d``."""
+    by_id = {id(m): m for m in target_id.obj.modes}
+    modes = [by_id[i] for i in mode_ids]
+    out = _ModeRates(gradients=np.array([mode.term_bytes_per_param(d)["gradients"] for mode in modes]),
+                     autocast=np.array([mode.autocast_weight_copies for mode in modes]),
+                     gradient_buffer=np.array([mode.gradient_buffer for mode in modes]),
+                     fsdp2=tuple(bool(mode.fsdp2) for mode in modes))
+    for a in (out.gradients, out.autocast, out.gradient_buffer):
+        a.setflags(write=False)
     return out
 
 
@@ -707,25 +797,34 @@ def _inflight(schedule: str, pp: int, m: int, v: int) -> np.ndarray:
 
 def _rank_modes(workload: Workload, cfg: ParallelConfig, target: Target, gpu: np.ndarray) -> tuple:
     """Per pipeline rank, the target's ``[memory.*]`` mode for ``cfg`` on that rank's device kind (memoized on
-    the facts ``targets.config_facts`` reads, the target and the per-rank device kinds by identity)."""
+    the facts of ``targets.config_facts`` the target's modes test, the target and the per-rank device kinds by
+    identity)."""
     w = workload
-    facts = (cfg.num_microbatches if cfg.microbatch else 0, cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep, cfg.zero_stage,
-             cfg.virtual_stages or 1, cfg.microbatch or 0, cfg.schedule, cfg.recompute, cfg.sequence_parallel,
-             cfg.precision, w.experts, w.tied_embeddings, w.glu)
-    key = (ByIdentity(target), ByIdentity(gpu), facts)
-    found = _RANK_MODES.get(key)
-    if found is None:
-        if len(_RANK_MODES) >= 65536:
-            _RANK_MODES.clear()
-        modes = {g: target.memory_mode(cfg, experts=w.experts, tied_embeddings=w.tied_embeddings, glu=w.glu, gpu=g)
-                 for g in sorted({bool(x) for x in gpu.tolist()})}
-        found = _RANK_MODES[key] = tuple(modes[bool(x)] for x in gpu.tolist())
+    facts = config_facts(cfg, experts=w.experts, tied_embeddings=w.tied_embeddings, glu=w.glu)
+    key = tuple(facts[f] for f in _mode_facts(ByIdentity(target)))
+    found = _rank_modes_cached(ByIdentity(target), ByIdentity(gpu), key)
+    if found is None:  # no mode holds: the target's own error, naming the configuration
+        for g in sorted({bool(x) for x in gpu.tolist()}):
+            target.memory_mode(cfg, experts=w.experts, tied_embeddings=w.tied_embeddings, glu=w.glu, gpu=g)
     return found
 
 
-_RANK_MODES: dict[tuple, tuple] = {}
-"""``_rank_modes``'s memo: the modes depend on ``cfg`` only through ``targets.config_facts`` (not on
-``recompute_layers``, the global batch beside the micro-batch count, flash attention or overlap)."""
+@functools.lru_cache(maxsize=64)
+def _mode_facts(target_id: ByIdentity) -> tuple[str, ...]:
+    """The facts the target's modes test, less ``gpu`` (per rank: ``_rank_modes_cached`` adds it)."""
+    return tuple(f for f in target_id.obj.mode_facts() if f != "gpu")
+
+
+@functools.lru_cache(maxsize=16384)
+def _rank_modes_cached(target_id: ByIdentity, gpu_id: ByIdentity, values: tuple) -> tuple | None:
+    """``_rank_modes`` where the facts ``_mode_facts`` names take ``values``; None when no mode holds for some
+    rank."""
+    target, gpu = target_id.obj, gpu_id.obj.tolist()
+    base = dict(zip(_mode_facts(target_id), values))
+    modes = {g: target.mode_for({**base, "gpu": g}) for g in sorted({bool(x) for x in gpu})}
+    if any(mode is None for mode in modes.values()):
+        return None
+    return tuple(modes[bool(x)] for x in gpu)
 
 
 def _model_states(workload: Workload, cfg: ParallelConfig, target: Target, dense: np.ndarray,
@@ -817,9 +916,14 @@ def recv_buffer_bytes(workload: Workload, cfg: ParallelConfig, k: StepConstants,
         return np.zeros(pp)
     each = p2p_boundary_bytes(workload, mb=cfg.microbatch, tp=cfg.tp, cp=cfg.cp,
                               sp=cfg.sequence_parallel and cfg.tp > 1, k=k)
-    chunks = np.arange(pp * v)
-    receives = (chunks > 0).astype(float) + (chunks < pp * v - 1).astype(float)
-    return m * each * _per_rank(receives, v, pp)
+    return _recv_buffers(pp, v, k, each, m)
+
+
+def _recv_buffers(pp: int, v: int, k: StepConstants, each: float, m: int) -> np.ndarray:
+    """``recv_buffer_bytes`` with the boundary bytes ``each`` given."""
+    if pp == 1 or not k.recv_buffers_per_microbatch:
+        return np.zeros(pp)
+    return m * each * _boundary_counts(pp, v)[1]
 
 
 def stage_output_bytes(workload: Workload, cfg: ParallelConfig, k: StepConstants, inflight: np.ndarray) -> np.ndarray:
@@ -832,30 +936,37 @@ def stage_output_bytes(workload: Workload, cfg: ParallelConfig, k: StepConstants
         return np.zeros(pp)
     each = p2p_boundary_bytes(workload, mb=cfg.microbatch, tp=cfg.tp, cp=cfg.cp,
                               sp=cfg.sequence_parallel and cfg.tp > 1, k=k)
-    holds = (np.arange(pp * v) < pp * v - 1).astype(float)
-    return each * _per_rank(holds, v, pp) * inflight
+    return _stage_outputs(pp, v, k, each, inflight)
+
+
+def _stage_outputs(pp: int, v: int, k: StepConstants, each: float, inflight: np.ndarray) -> np.ndarray:
+    """``stage_output_bytes`` with the boundary bytes ``each`` given."""
+    if pp == 1 or not k.stage_outputs_kept:
+        return np.zeros(pp)
+    return each * _boundary_counts(pp, v)[0] * inflight
 
 
 _ACTIVATION_COLUMNS = ("act", "work", "head_work", "maxact")
 """The chunk columns of activation and backward working bytes, which depend on the rank's dtype regime."""
 
 
-def _autocast_memory_columns(ch: dict[str, np.ndarray], parts: tuple[_CtxKey, ...], classes: tuple[int, ...],
-                             stage_layers: tuple[int, ...], mask: tuple[bool, ...], modes: tuple,
-                             pp: int) -> dict[str, np.ndarray]:
-    """The chunk arrays ``ch`` with the activation columns of the chunks on ranks whose ``[memory.*]`` mode
-    computes fp32 parameters under autocast (``autocast_weight_copies``) priced in layer contexts that say so
-    (``LayerCtx.autocast``: the coster's saved bytes of that regime); ``ch`` itself when no rank does."""
+def _autocast_memory_columns(folded: dict, ch: dict[str, np.ndarray], parts: tuple[_CtxKey, ...],
+                             classes: tuple[int, ...], stage_layers: tuple[int, ...], mask: tuple[bool, ...],
+                             modes: tuple, v: int, pp: int) -> dict:
+    """The rank-folded chunk arrays ``folded`` (of the chunk arrays ``ch``) with the activation columns of the
+    chunks on ranks whose ``[memory.*]`` mode computes fp32 parameters under autocast (``autocast_weight_copies``)
+    priced in layer contexts that say so (``LayerCtx.autocast``: the coster's saved bytes of that regime);
+    ``folded`` itself when no rank does."""
     on = np.array([mode.autocast_weight_copies > 0 for mode in modes])
     if not on.any():
-        return ch
+        return folded
     ac_parts = _autocast_keys(parts)
     ac = _merged_chunk_arrays(ac_parts, classes, stage_layers, mask) if classes else \
         _chunk_arrays(ac_parts[0], stage_layers, mask)
     chunk_on = on[np.arange(len(stage_layers)) % pp]
-    out = dict(ch)
+    out = dict(folded)
     for key in _ACTIVATION_COLUMNS:
-        out[key] = np.where(chunk_on, ac[key], ch[key])
+        out[key] = _per_rank(np.where(chunk_on, ac[key], ch[key]), v, pp, "max" if key in _FOLD_MAX else "sum")
     return out
 
 
@@ -885,56 +996,57 @@ def _one_backward_peak(terms: dict[str, np.ndarray], reduce_extra: np.ndarray, g
         terms[key] = np.where(at_start, terms[key], 0.0)
 
 
-def _memory(workload: Workload, cfg: ParallelConfig, ch: dict[str, np.ndarray], dense: np.ndarray,
-            expert: np.ndarray, m: int, mc: mem.MemoryConstants, gpu: np.ndarray, target: Target
+def _memory(workload: Workload, cfg: ParallelConfig, folded: dict, dense: np.ndarray, expert: np.ndarray, m: int,
+            mc: mem.MemoryConstants, gpu: np.ndarray, target: Target, *, wb: tuple[float, float], send: float
             ) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """Memory terms per pipeline rank (arrays of bytes) and the totals with the allocator reserve (on the
-    ranks whose device is a GPU: ``gpu``), from the chunk arrays ``ch`` (the coster's bytes per block, summed
-    or maxed per chunk)."""
+    ranks whose device is a GPU: ``gpu``), from the chunk arrays folded onto the ranks (``_folded``: the coster's
+    bytes per block, summed or maxed per chunk). ``wb``: ``dp_bytes``; ``send``: ``p2p_boundary_bytes``."""
     w, pp, v = workload, cfg.pp, cfg.virtual_stages
+    k = target.constants
     inflight = _inflight(cfg.schedule, pp, m, v)
     modes = _rank_modes(w, cfg, target, gpu)
     terms = _model_states(w, cfg, target, dense, expert, modes)
-    grad_per_param = np.array([mode.term_bytes_per_param(cfg.dp * cfg.cp)["gradients"] for mode in modes])
-    terms["gradients"] = terms["gradients"] + _per_rank(ch["embgrad"], v, pp) * grad_per_param
+    rates = _mode_rates(ByIdentity(target), tuple(map(id, modes)), cfg.dp * cfg.cp)
+    terms["gradients"] = terms["gradients"] + folded["embgrad"] * rates.gradients
     tokens = cfg.microbatch * w.seq / cfg.cp
     # transient bytes: a block's backward working bytes, and on the head's rank the logits and the loss's
     # buffers, which the head's backward frees before any block's backward starts: the larger of the two
-    head = _per_rank(ch["head_work"], v, pp, "max")
-    terms["activations"] = (_per_rank(ch["act"], v, pp) * inflight
-                            + np.maximum(_per_rank(ch["work"], v, pp, "max") - head, 0.0)
-                            + stage_output_bytes(w, cfg, target.constants, inflight))
+    head = folded["head_work"]
+    terms["activations"] = (folded["act"] * inflight
+                            + np.maximum(folded["work"] - head, 0.0)
+                            + _stage_outputs(pp, v, k, send, inflight))
     terms["logits"] = head
     # tensor-parallel collective buffers; DDP's gradient buckets are in the layout's gradient bytes
     buffers = 2.0 * tokens * w.hidden * w.dtype_bytes if cfg.tp > 1 else 0.0
     buffers = np.full(pp, buffers)
-    block = _per_rank(ch["maxparams"], v, pp, "max")
-    block_experts = _per_rank(ch["maxxparams"], v, pp, "max")
-    block_act = _per_rank(ch["maxact"], v, pp, "max")
-    grad_b, gather_b = dp_bytes(w, cfg, target.constants)
-    root = _per_rank(ch["rootparams"], v, pp)
-    each = (cfg.zero_stage == 2 and target.constants.zero2_reduce_per_microbatch) or m == 1
+    grad_b, gather_b = wb
+    each = (cfg.zero_stage == 2 and k.zero2_reduce_per_microbatch) or m == 1
     reduce_extra = np.zeros(pp)  # the reduction buffers beyond what the loss and a block's backward freed
-    for r, mode in enumerate(modes):
-        if mode.fsdp2:
-            gathered, reducing = fsdp_buffer_bytes(
-                zero_stage=cfg.zero_stage, dp=cfg.dp * cfg.cp, block_params=float(block[r]),
-                root_params=float(root[r]), grad_bytes=grad_b, gather_bytes=gather_b, reduce_per_microbatch=each,
-                gpu=bool(gpu[r]), expert_params=float(block_experts[r]))
-            # a block's reduction starts once the loss and that block have run their backward: the peak holds
-            # the larger of the logits (+ loss) and the reduction buffers less what those two freed
-            logits = float(terms["logits"][r])
-            reduce_extra[r] = max(0.0, reducing - logits - float(block_act[r]))
-            buffers[r] += gathered + reduce_extra[r]
-        elif cfg.zero_stage == 3:  # two layers' gathered parameters (prefetch)
-            buffers[r] += 2.0 * float(block[r]) * mc.weight_bytes
-    buffers = buffers + recv_buffer_bytes(w, cfg, target.constants, m)
+    if cfg.zero_stage == 3 or any(rates.fsdp2):
+        block, block_act = folded["maxparams"].tolist(), folded["maxact"].tolist()
+        block_experts = folded["maxxparams"].tolist()
+        root, logits, on_gpu = folded["rootparams"].tolist(), head.tolist(), gpu.tolist()
+        buf, extra = buffers.tolist(), [0.0] * pp
+        for r, fsdp2 in enumerate(rates.fsdp2):
+            if fsdp2:
+                gathered, reducing = fsdp_buffer_bytes(
+                    zero_stage=cfg.zero_stage, dp=cfg.dp * cfg.cp, block_params=block[r], root_params=root[r],
+                    grad_bytes=grad_b, gather_bytes=gather_b, reduce_per_microbatch=each, gpu=bool(on_gpu[r]),
+                    expert_params=block_experts[r])
+                # a block's reduction starts once the loss and that block have run their backward: the peak
+                # holds the larger of the logits (+ loss) and the reduction buffers less what those two freed
+                extra[r] = max(0.0, reducing - logits[r] - block_act[r])
+                buf[r] += gathered + extra[r]
+            elif cfg.zero_stage == 3:  # two layers' gathered parameters (prefetch)
+                buf[r] += 2.0 * block[r] * mc.weight_bytes
+        buffers, reduce_extra = np.array(buf), np.array(extra)
+    buffers = buffers + _recv_buffers(pp, v, k, send, m)
     terms["comm_buffers"] = buffers
     # fp32 parameters computed under autocast: its cached bf16 copy of every matmul weight, for the whole step
-    terms["weight_casts"] = (np.array([mode.autocast_weight_copies for mode in modes])
-                             * _per_rank(ch["castparams"], v, pp))
-    if m == 1 and target.constants.gradients_freed_between_steps:
-        _one_backward_peak(terms, reduce_extra, np.array([mode.gradient_buffer for mode in modes]) * (dense + expert))
+    terms["weight_casts"] = rates.autocast * folded["castparams"]
+    if m == 1 and k.gradients_freed_between_steps:
+        _one_backward_peak(terms, reduce_extra, rates.gradient_buffer * (dense + expert))
     subtotal = sum(terms.values())
     terms["allocator_reserve"] = np.where(gpu, mem.allocator_reserve_bytes(subtotal, mc), 0.0)
     return terms, subtotal + terms["allocator_reserve"]
@@ -1060,11 +1172,14 @@ def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_l
     uniques, counts = _structure(workload, stage_layers)
     pipe = _pipeline(parts, classes, ByIdentity(cluster), stage_layers, mask, schedule=cfg.schedule, pp=cfg.pp,
                      v=cfg.virtual_stages, m=m, dp=cfg.dp)
-    dense = _per_rank(pipe["chunks"]["params"], cfg.virtual_stages, cfg.pp)
-    expert = _per_rank(pipe["chunks"]["xparams"], cfg.virtual_stages, cfg.pp)
+    folded = _folded(ByIdentity(pipe["chunks"]), cfg.virtual_stages, cfg.pp)
+    dense, expert = folded["params"], folded["xparams"]
     tr_per_rank = _blocks_per_rank(ByIdentity(uniques), ByIdentity(counts), cfg.virtual_stages, cfg.pp)
+    wb = dp_bytes(workload, cfg, k)
+    send = p2p_boundary_bytes(workload, mb=cfg.microbatch, tp=cfg.tp, cp=cfg.cp,
+                              sp=cfg.sequence_parallel and cfg.tp > 1, k=k)
     dp = _data_parallel(workload, cfg, clusters, classes, dense, expert, tr_per_rank, pipe, m, k,
-                        tp_sharded=_tp_sharded(workload, cfg, float(dense.sum())))
+                        tp_sharded=_tp_sharded(workload, cfg, folded["params_total"]), wb=wb, send=send)
     breakdown = dict(pipe["parts"])
     if dp["exposed_s"] > 0:
         key = f"comm_{dp['kind']}"
@@ -1072,12 +1187,13 @@ def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_l
     breakdown["optimizer"] = dp["optimizer_s"]
     step_s = pipe["total_s"] + dp["exposed_s"] + dp["optimizer_s"]
     gpu, limits_gb, stage_device = _rank_devices(ByIdentity(cluster), cfg.pp)
-    chunks = _autocast_memory_columns(pipe["chunks"], parts, classes, stage_layers, mask,
-                                      _rank_modes(workload, cfg, target, gpu), cfg.pp)
-    terms, totals = _memory(workload, cfg, chunks, dense, expert, m, mc, gpu, target)
+    mem_folded = _autocast_memory_columns(folded, pipe["chunks"], parts, classes, stage_layers, mask,
+                                          _rank_modes(workload, cfg, target, gpu), cfg.virtual_stages, cfg.pp)
+    terms, totals = _memory(workload, cfg, mem_folded, dense, expert, m, mc, gpu, target, wb=wb, send=send)
     worst = int(np.argmax(totals))
     worst_mem = mem.MemoryEstimate(terms={key: float(val[worst]) for key, val in terms.items()})
-    fits = all(t / mem.GB <= lim for t, lim in zip(totals.tolist(), limits_gb))  # each rank within its own
+    stage_gb = tuple(x / mem.GB for x in totals.tolist())
+    fits = all(t <= lim for t, lim in zip(stage_gb, limits_gb))  # each rank within its own
     model_f, hw_f = _flops(workload, stage_layers, cfg, mask)
     n = cluster.num_devices
     peak = _peak_tflops(ByIdentity(cluster))
@@ -1093,7 +1209,7 @@ def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_l
         memory_breakdown_gb=worst_mem.terms_gb(),
         bottleneck=max(breakdown, key=breakdown.__getitem__),
         stage_time_s=tuple(pipe["per_rank_s"].tolist()),
-        stage_memory_gb=tuple(x / mem.GB for x in totals.tolist()),
+        stage_memory_gb=stage_gb,
         config=cfg,
         num_microbatches=m,
         stage_layers=stage_layers,

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from costmodel.errors import ConfigError, ProfileError
+from costmodel.memo import ByIdentity
 from costmodel.profiles import PROFILES_DIR
 from costmodel.step_config import P2P_BOUNDARIES, PRECISIONS, ParallelConfig, PrecisionConstants, StepConstants
 
@@ -216,7 +217,9 @@ class Target:
                  glu: bool = True) -> list[str]:
         """Why this target cannot run ``config`` (empty: it can), each naming the numbers and the fix."""
         facts = config_facts(config, experts=experts, tied_embeddings=tied_embeddings, glu=glu)
-        out = [r.text(facts) for r in self.cannot_run if r.applies(facts)]
+        me = ByIdentity(self)
+        applying = _applying_rules(me, tuple(facts[f] for f in _tested_facts(me)[1]))
+        out = [self.cannot_run[i].text(facts) for i in applying]
         if config.precision not in self.precisions:
             out.append(f"{self.framework} has no {config.precision} training in its constants file (it trains "
                        f"with {', '.join(self.precisions)}): re-plan with --precision "
@@ -227,12 +230,23 @@ class Target:
                     glu: bool = True, gpu: bool = True) -> MemoryMode:
         """The first mode whose ``when`` holds for ``config`` on a GPU (``gpu``) or CPU rank (ProfileError when
         none does)."""
-        facts = config_facts(config, experts=experts, tied_embeddings=tied_embeddings, glu=glu, gpu=gpu)
-        for mode in self.modes:
-            if all(c.holds(facts) for c in mode.when):
-                return mode
+        found = self.mode_for(config_facts(config, experts=experts, tied_embeddings=tied_embeddings, glu=glu,
+                                           gpu=gpu))
+        if found is not None:
+            return found
         raise ProfileError(f"target {self.name}: no [memory.*] mode holds for {config.summary()}; "
                            f"modes: {', '.join(m.name for m in self.modes)}")
+
+    def mode_facts(self) -> tuple[str, ...]:
+        """The facts some ``[memory.*]`` mode's ``when`` tests (sorted): ``memory_mode`` depends on these only."""
+        return _tested_facts(ByIdentity(self))[0]
+
+    def mode_for(self, facts: dict[str, Any]) -> MemoryMode | None:
+        """The first mode whose ``when`` holds for ``facts`` (``config_facts``, or any dict with the
+        ``mode_facts``), None when none does (memoized on the facts the modes test)."""
+        me = ByIdentity(self)
+        found = _first_mode(me, tuple(facts[f] for f in _tested_facts(me)[0]))
+        return None if found is None else self.modes[found]
 
     def mode(self, name: str) -> MemoryMode:
         for m in self.modes:
@@ -252,11 +266,9 @@ class Target:
         return {t: params * getattr(m, t).bytes_per_param(dp) for t in STATE_TERMS}
 
     def precisions_on(self, cluster: Any) -> tuple[str, ...]:
-        """The precisions this target trains with whose GEMM rate every accelerator of ``cluster`` has."""
-        gpus = [g.node.gpu for g in cluster.groups]
-        return tuple(p.name for p in self.constants.precisions
-                     if all(_has_rate(gpu, p.gemm_dtype) and (not p.requires or _has_rate(gpu, p.requires))
-                            for gpu in gpus))
+        """The precisions this target trains with whose GEMM rate every accelerator of ``cluster`` has
+        (memoized, the target and the cluster by identity: both immutable)."""
+        return _precisions_on(ByIdentity(self), ByIdentity(cluster))
 
     def check_precision(self, precision: str, cluster: Any) -> None:
         """ConfigError unless the target trains with ``precision`` and every accelerator of ``cluster`` has its
@@ -291,6 +303,43 @@ def _has_rate(gpu: Any, dtype: str) -> bool:
         return gpu.tflops(dtype) > 0
     except ProfileError:
         return False
+
+
+# --- memos of the rules' answers (the target and its rules are immutable): keyed by the facts the rules test
+
+
+@functools.lru_cache(maxsize=64)
+def _tested_facts(target: ByIdentity) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The facts some ``[memory.*]`` mode's ``when`` tests, and those some ``[[cannot_run]]`` rule's tests: the
+    answers of ``memory_mode`` / which rules apply depend on these only."""
+    t = target.obj
+    return (tuple(sorted({c.fact for m in t.modes for c in m.when})),
+            tuple(sorted({c.fact for r in t.cannot_run for c in r.when})))
+
+
+@functools.lru_cache(maxsize=16384)
+def _first_mode(target: ByIdentity, values: tuple) -> int | None:
+    """The index of the first mode whose ``when`` holds where the tested facts take ``values``."""
+    facts = dict(zip(_tested_facts(target)[0], values))
+    for i, mode in enumerate(target.obj.modes):
+        if all(c.holds(facts) for c in mode.when):
+            return i
+    return None
+
+
+@functools.lru_cache(maxsize=16384)
+def _applying_rules(target: ByIdentity, values: tuple) -> tuple[int, ...]:
+    """The indices of the ``[[cannot_run]]`` rules that apply where their tested facts take ``values``."""
+    facts = dict(zip(_tested_facts(target)[1], values))
+    return tuple(i for i, r in enumerate(target.obj.cannot_run) if r.applies(facts))
+
+
+@functools.lru_cache(maxsize=256)
+def _precisions_on(target: ByIdentity, cluster: ByIdentity) -> tuple[str, ...]:
+    gpus = [g.node.gpu for g in cluster.obj.groups]
+    return tuple(p.name for p in target.obj.constants.precisions
+                 if all(_has_rate(gpu, p.gemm_dtype) and (not p.requires or _has_rate(gpu, p.requires))
+                        for gpu in gpus))
 
 
 def load_target(spec: str, *, directory: str | Path | None = None) -> Target:

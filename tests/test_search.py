@@ -382,6 +382,25 @@ def test_search_is_deterministic():
     assert all(c.step_time_s >= a.best.step_time_s for c in a.alternatives)
 
 
+def test_search_makes_no_reference_cycles():
+    """The search runs with the cyclic collector paused (``driver._without_cycle_collection``): what it drops
+    must be freed by reference counts alone, and the collector is on again after it."""
+    import gc
+
+    wl = gpt_workload(layers=4, hidden=1024, heads=8, vocab=8000, seq=1024)
+    cl = make_cluster("dgx-a100-80gb", 1)
+    driver.search(workload=wl, cluster=cl, global_batch=8)  # warm the step model's memos
+    gc.collect()
+    gc.disable()
+    try:
+        driver.search(workload=wl, cluster=cl, global_batch=16)
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
+    driver.search(workload=wl, cluster=cl, global_batch=8)
+    assert gc.isenabled()
+
+
 def test_space_rules():
     dims = sp.ModelDimsLite(heads=12, kv_heads=4, layers=10, seq=2048, experts=8)
     assert sp.tp_choices(dims, gpus_per_node=8) == [1, 2, 4]  # divides 12 and 4, power of two, within a node

@@ -364,6 +364,9 @@ class StrategyCache:
     entries: dict[tuple, BlockStrategy] = field(default_factory=dict)
     hits: int = 0
     misses: int = 0
+    solutions: dict[tuple, intra_op.ShardingSolution] = field(default_factory=dict)
+    """The ILP's answer per (problem, solver options): contexts that differ in what the block's problem does not
+    read (an embedding's or head's recomputation, say) build equal problems, solved once."""
 
     def get(self, key: tuple) -> BlockStrategy | None:
         found = self.entries.get(key)
@@ -380,12 +383,19 @@ class StrategyCache:
 def solve_block(ops: Sequence[LayerOp], *, mesh: MeshShape, ctx: CostContext, recompute: str = "none",
                 state_bytes_per_param: float = 16.0, activation_multiplier: float = 1.0,
                 mem_budget_bytes: float = math.inf, options: intra_op.SolverOptions | None = None,
-                periodic: bool = True) -> BlockStrategy:
-    """Build, solve and read back the sharding problem of ``ops`` (no memo: see ``block_strategy``)."""
+                periodic: bool = True, cache: StrategyCache | None = None) -> BlockStrategy:
+    """Build, solve and read back the sharding problem of ``ops`` (the block is not memoized: see
+    ``block_strategy``; the ILP's solution is, per equal problem, in ``cache``)."""
     bp = block_problem(ops, mesh=mesh, ctx=ctx, recompute=recompute, state_bytes_per_param=state_bytes_per_param,
                        activation_multiplier=activation_multiplier, mem_budget_bytes=mem_budget_bytes,
                        periodic=periodic)
-    sol = intra_op.solve(bp.problem, options or intra_op.SolverOptions())
+    options = options or intra_op.SolverOptions()
+    key = (bp.problem, options)
+    sol = None if cache is None else cache.solutions.get(key)
+    if sol is None:
+        sol = intra_op.solve(bp.problem, options)
+        if cache is not None:
+            cache.solutions[key] = sol
     log.debug("block of %d ops on %s: %s objective %.3g s in %.3f s", len(ops), mesh, sol.status, sol.objective,
               sol.solve_time_s)
     return read_solution(bp, sol, ctx=ctx, mesh=mesh, recompute=recompute)
@@ -434,7 +444,7 @@ def block_strategy(block, *, graph, tp: int, cp: int = 1, ep: int = 1, microbatc
         result = solve_block(ops, mesh=mesh, ctx=ctx, recompute=recompute,
                              state_bytes_per_param=state_bytes_per_param, activation_multiplier=activation_multiplier,
                              mem_budget_bytes=mem_budget_bytes, options=options,
-                             periodic=getattr(block, "kind", "transformer") == "transformer")
+                             periodic=getattr(block, "kind", "transformer") == "transformer", cache=cache)
     except InfeasiblePlanError as e:
         raise _explain_infeasible(e, block=block, ops=ops, mesh=mesh) from None
     if cache is not None:

@@ -201,7 +201,14 @@ def pipeline_form_s(schedule: str, m: int, v: int, max_s: float, sum_s: float, f
 
 def structure_bound_s(costs: RankCosts, *, schedule: str, v: int, m: int) -> float:
     """A lower bound on the step time of every cut of this structure (any knobs, any recompute counts)."""
-    top, least_sum = least_max(costs, rank_lows(costs.layout, costs.pp, v))
+    return structure_bound_from(costs, least_max(costs, rank_lows(costs.layout, costs.pp, v)), schedule=schedule,
+                                v=v, m=m)
+
+
+def structure_bound_from(costs: RankCosts, least: tuple[float, float], *, schedule: str, v: int, m: int) -> float:
+    """``structure_bound_s`` from ``least_max(costs, rank_lows(...))`` (``least``), which does not depend on the
+    schedule or the micro-batches: the search reads it once per rank costs and least counts."""
+    top, least_sum = least
     if not math.isfinite(top):
         return math.inf
     if costs.pp == 1:

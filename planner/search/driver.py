@@ -28,6 +28,7 @@ Same inputs give the same plan: every loop runs in a fixed order and ties break 
 from __future__ import annotations
 
 import functools
+import gc
 import heapq
 import itertools
 import logging
@@ -96,6 +97,9 @@ class _Ctx:
     probes: dict = field(default_factory=dict)
     """Group key -> the structure whose estimate reads the group's costs (its largest pp)."""
     states_gb: dict = field(default_factory=dict)
+    memo: dict = field(default_factory=dict)
+    """Answers that depend on the search's immutable inputs only (knob choices, even cuts, rank costs, least
+    maxima), keyed by what they are of."""
 
     def config(self, structure: sp.Structure, knobs: sp.Knobs) -> Any:
         cfg = make_config(structure, knobs, global_batch=self.global_batch, config_type=self.config_type)
@@ -163,12 +167,25 @@ class _Ctx:
         return memory_estimate(terms).total_gb
 
     def even_cuts(self, structure: sp.Structure) -> tuple[int, ...] | None:
-        """Explicit even cuts, so that the plan's stages are exactly the ones priced."""
-        return even_split([l.kind for l in self.workload.layers], structure.pp * structure.virtual_stages)
+        """Explicit even cuts, so that the plan's stages are exactly the ones priced (memoized per chunk count)."""
+        key = ("even", structure.pp * structure.virtual_stages)
+        if key not in self.memo:
+            self.memo[key] = even_split([l.kind for l in self.workload.layers], key[1])
+        return self.memo[key]
+
+    def knob_choices(self, structure: sp.Structure) -> list[sp.Knobs]:
+        """``space.knob_choices`` under this search's options and fix (memoized per structure; not to be
+        changed)."""
+        key = ("knobs", structure)
+        if key not in self.memo:
+            self.memo[key] = sp.knob_choices(structure, options=self.options, fix=self.fix)
+        return self.memo[key]
 
     def sp_choices(self, structure: sp.Structure) -> list[bool]:
-        knobs = sp.knob_choices(structure, options=self.options, fix=self.fix)
-        return sorted({k.sequence_parallel for k in knobs})
+        key = ("sp", structure)
+        if key not in self.memo:
+            self.memo[key] = sorted({k.sequence_parallel for k in self.knob_choices(structure)})
+        return self.memo[key]
 
     def group_key(self, s: sp.Structure, spar: bool) -> tuple:
         return (s.tp, s.cp, s.ep, s.microbatch, spar) + ((s.pp,) if self.hetero else ())
@@ -204,7 +221,21 @@ def _costs(ctx: _Ctx, s: sp.Structure, spar: bool) -> bd.RankCosts | None:
     g = _group(ctx, s, spar)
     if g.costs is None or ctx.hetero:
         return g.costs  # a heterogeneous cluster's groups are per pp
-    return replace(g.costs, layer_s=(g.costs.layer_s[0],) * s.pp)
+    key = ("costs", ctx.group_key(s, spar), s.pp)  # the group's costs are set once: one per pp
+    if key not in ctx.memo:
+        ctx.memo[key] = replace(g.costs, layer_s=(g.costs.layer_s[0],) * s.pp)
+    return ctx.memo[key]
+
+
+def _structure_bound(ctx: _Ctx, costs: bd.RankCosts, s: sp.Structure) -> float:
+    """``bounds.structure_bound_s`` with its ``least_max`` memoized per rank costs (by identity: ``_costs`` keeps
+    one per group and pp) and least counts."""
+    lows = tuple(bd.rank_lows(costs.layout, costs.pp, s.virtual_stages))
+    key = ("least_max", id(costs), lows)
+    if key not in ctx.memo:
+        ctx.memo[key] = (costs, bd.least_max(costs, lows))
+    return bd.structure_bound_from(costs, ctx.memo[key][1], schedule=s.schedule, v=s.virtual_stages,
+                                   m=s.num_microbatches)
 
 
 def _sp_bounds(ctx: _Ctx, s: sp.Structure, cuts: tuple[int, ...] | None = None) -> dict[bool, float]:
@@ -217,7 +248,7 @@ def _sp_bounds(ctx: _Ctx, s: sp.Structure, cuts: tuple[int, ...] | None = None) 
         if costs is not None and cuts is not None:
             b = bd.cut_bound_s(costs, bd.transformer_counts(ctx.layout, cuts), schedule=s.schedule, v=v, m=m)
         elif costs is not None:
-            b = bd.structure_bound_s(costs, schedule=s.schedule, v=v, m=m)
+            b = _structure_bound(ctx, costs, s)
         elif total is not None:
             b = m * total if s.pp == 1 else sp.pipeline_lower_bound_s(s, layer_time_sum_s=total)
         else:
@@ -228,7 +259,7 @@ def _sp_bounds(ctx: _Ctx, s: sp.Structure, cuts: tuple[int, ...] | None = None) 
 
 def _may_fit(ctx: _Ctx, s: sp.Structure) -> bool:
     """Some knobs of ``s`` pass the model-state memory bound (with ``exhaustive_knobs`` every structure)."""
-    knobs = sp.knob_choices(s, options=ctx.options, fix=ctx.fix)
+    knobs = ctx.knob_choices(s)
     return bool(knobs) and (ctx.options.exhaustive_knobs or any(
         ctx.states_lower_bound_gb(s, z) <= ctx.largest_memory_gb for z in {k.zero_stage for k in knobs}))
 
@@ -413,6 +444,27 @@ def _price_or_raise(ctx: _Ctx, s: sp.Structure, k: sp.Knobs, cuts: tuple[int, ..
 # --- the search --------------------------------------------------------------------------------------------
 
 
+def _without_cycle_collection(fn: Callable) -> Callable:
+    """``fn`` run with Python's cyclic garbage collector paused (as it was, after). The search makes no reference
+    cycles (every object it drops is freed by its reference count: ``tests/test_search.py`` checks it), yet the
+    objects it keeps (memos, estimates) trigger collections of the oldest generation, and each walks every
+    object of the process (torch's and transformers' too): ~0.3 s apiece on the 2-core machine, three in the
+    GPT-3 175B search on 1,024 A100s."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if not gc.isenabled():
+            return fn(*args, **kwargs)
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            gc.enable()
+
+    return run
+
+
+@_without_cycle_collection
 def search(
     *,
     workload: Any,

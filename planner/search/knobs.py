@@ -72,7 +72,7 @@ def best_knobs(
     """The fastest fitting knobs of ``structure`` at ``cuts`` (see the module docstring) and every candidate priced.
 
     ``bound_s[sp]``: a lower bound on this cut's step time with sequence parallelism ``sp``, any other knobs."""
-    knobs = sp.knob_choices(structure, options=ctx.options, fix=ctx.fix)
+    knobs = ctx.knob_choices(structure)  # space.knob_choices under the search's options and fix
     exhaustive = ctx.options.exhaustive_knobs
     tried: list[Candidate] = []
 
