@@ -83,15 +83,16 @@ def count_steps(pm, modules, params, optimizer, batches, mt: LiveBytes) -> LiveB
     return mt
 
 
-def measure(*, zero: int, m: int, dp: int = WORLD) -> tuple[LiveBytes, dict]:
-    """Run the runtime on rank 0 of a fake ``dp``-rank group; the counter over two steps and facts."""
+def measure(*, zero: int, m: int, dp: int = WORLD, mb: int = 1, autocast: bool = False) -> tuple[LiveBytes, dict]:
+    """Run the runtime on rank 0 of a fake ``dp``-rank group (``m`` micro-batches of ``mb`` rows; under bf16
+    autocast with ``autocast``); the counter over two steps and facts."""
     from runtime.apply import apply_plan
     from runtime.manual_plan import manual_plan
 
     _fake_group(dp)
     try:
         model = _model()
-        plan = manual_plan(model, dp=dp, zero_stage=zero, num_microbatches=m, microbatch_size=1, seq_len=SEQ)
+        plan = manual_plan(model, dp=dp, zero_stage=zero, num_microbatches=m, microbatch_size=mb, seq_len=SEQ)
         mt = LiveBytes()
         with fsdp_comm_labels(mt):
             with mt, mt.phase("other", "setup"):
@@ -100,9 +101,14 @@ def measure(*, zero: int, m: int, dp: int = WORLD) -> tuple[LiveBytes, dict]:
             params = list(pm.parameters())
             opt = torch.optim.AdamW(params, lr=1e-3)
             g = torch.Generator().manual_seed(1)
-            x = torch.randint(0, VOCAB, (m, SEQ), generator=g)
-            y = torch.randint(0, VOCAB, (m, SEQ), generator=g)
-            count_steps(pm, [pm.module], params, opt, (x, y), mt)
+            x, y = (torch.randint(0, VOCAB, (m * mb, SEQ), generator=g) for _ in range(2))
+
+            class _Autocast:
+                def step(self, *batch):
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        return pm.step(*batch)
+
+            count_steps(_Autocast() if autocast else pm, [pm.module], params, opt, (x, y), mt)
         return mt, {"params": sum(p.numel() for p in _model().parameters())}
     finally:
         dist.destroy_process_group()
@@ -194,33 +200,9 @@ def test_one_microbatch_peaks_before_gradients_under_autocast(zero):
     under autocast (fp32 residual stream and norms, a bf16 copy of each linear's input), not from the bf16
     trace its times and GPU modes use (zero3 was 10.5% under from the bf16 trace: 64.6 MB against 72.2)."""
     from planner.workload import workload_from_model
-    from runtime.apply import apply_plan
-    from runtime.manual_plan import manual_plan
 
     mb, dp = 4, 2
-    _fake_group(dp)
-    try:
-        model = _model()
-        plan = manual_plan(model, dp=dp, zero_stage=zero, num_microbatches=1, microbatch_size=mb, seq_len=SEQ)
-        mt = LiveBytes()
-        with fsdp_comm_labels(mt):
-            with mt, mt.phase("other", "setup"):
-                pm = apply_plan(model, plan, loss_fn=_loss)
-            _ddp_no_op_hook(pm.module)
-            params = list(pm.parameters())
-            opt = torch.optim.AdamW(params, lr=1e-3)
-            g = torch.Generator().manual_seed(1)
-            x, y = (torch.randint(0, VOCAB, (mb, SEQ), generator=g) for _ in range(2))
-
-            class _Autocast:
-                def step(self, *batch):
-                    with torch.autocast("cpu", dtype=torch.bfloat16):
-                        return pm.step(*batch)
-
-            count_steps(_Autocast(), [pm.module], params, opt, batch := (x, y), mt)
-    finally:
-        dist.destroy_process_group()
-    assert batch
+    mt, _ = measure(zero=zero, m=1, dp=dp, mb=mb, autocast=True)
     got = mt.peak_by_category
     n = sum(p.numel() for p in _model().parameters())
     # early in the backward: at most the head's and the last layer's first gradients
