@@ -961,8 +961,7 @@ def _autocast_memory_columns(folded: dict, ch: dict[str, np.ndarray], parts: tup
     if not on.any():
         return folded
     ac_parts = _autocast_keys(parts)
-    ac = _merged_chunk_arrays(ac_parts, classes, stage_layers, mask) if classes else \
-        _chunk_arrays(ac_parts[0], stage_layers, mask)
+    ac = _chunk_sums(ac_parts, classes, stage_layers, mask)[0]  # the chunk arrays, memoized as the bf16 ones
     chunk_on = on[np.arange(len(stage_layers)) % pp]
     out = dict(folded)
     for key in _ACTIVATION_COLUMNS:
