@@ -40,8 +40,9 @@ class LayerCtx:
     """GEMM precision of the block's linears (``constants.precision(name)`` says how the target runs it)."""
     autocast: bool = False
     """The rank computes fp32 parameters under bf16 autocast (its ``[memory.*]`` mode prices
-    ``autocast_weight_copies``) rather than with bf16 parameters: a coster that knows that regime's saved
-    activations prices the block's activation and working bytes with them (times are the same)."""
+    ``autocast_weight_copies``) rather than with bf16 parameters: a coster that knows that regime prices the
+    block's time, collectives, activation and working bytes at the dtypes autocast runs each tensor in (fp32
+    residual stream, norms and expert tokens, bf16 matmul outputs) under the same sharding."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -946,35 +946,6 @@ def _stage_outputs(pp: int, v: int, k: StepConstants, each: float, inflight: np.
     return each * _boundary_counts(pp, v)[0] * inflight
 
 
-_ACTIVATION_COLUMNS = ("act", "work", "head_work", "maxact")
-"""The chunk columns of activation and backward working bytes, which depend on the rank's dtype regime."""
-
-
-def _autocast_memory_columns(folded: dict, ch: dict[str, np.ndarray], parts: tuple[_CtxKey, ...],
-                             classes: tuple[int, ...], stage_layers: tuple[int, ...], mask: tuple[bool, ...],
-                             modes: tuple, v: int, pp: int) -> dict:
-    """The rank-folded chunk arrays ``folded`` (of the chunk arrays ``ch``) with the activation columns of the
-    chunks on ranks whose ``[memory.*]`` mode computes fp32 parameters under autocast (``autocast_weight_copies``)
-    priced in layer contexts that say so (``LayerCtx.autocast``: the coster's saved bytes of that regime);
-    ``folded`` itself when no rank does."""
-    on = np.array([mode.autocast_weight_copies > 0 for mode in modes])
-    if not on.any():
-        return folded
-    ac_parts = _autocast_keys(parts)
-    ac = _chunk_sums(ac_parts, classes, stage_layers, mask)[0]  # the chunk arrays, memoized as the bf16 ones
-    chunk_on = on[np.arange(len(stage_layers)) % pp]
-    out = dict(folded)
-    for key in _ACTIVATION_COLUMNS:
-        out[key] = _per_rank(np.where(chunk_on, ac[key], ch[key]), v, pp, "max" if key in _FOLD_MAX else "sum")
-    return out
-
-
-@functools.lru_cache(maxsize=4096)
-def _autocast_keys(parts: tuple[_CtxKey, ...]) -> tuple[_CtxKey, ...]:
-    """``parts`` saying autocast (memoized: one key object each, hashed once)."""
-    return tuple(dataclasses.replace(key, autocast=True) for key in parts)
-
-
 def _one_backward_peak(terms: dict[str, np.ndarray], reduce_extra: np.ndarray, grad_buffer: np.ndarray) -> None:
     """With one micro-batch a step each rank runs one backward. It begins (at the loss, or with the gradient the
     next stage sends) before any parameter gradient exists (``optimizer.zero_grad(set_to_none=True)`` frees them
@@ -1073,20 +1044,31 @@ def _flops_cached(layers: ByIdentity, stage_layers: tuple[int, ...], mask: tuple
     return model, model + global_batch * extra
 
 
-def _ctx_keys(workload: Workload, cfg: ParallelConfig, clusters: tuple[Cluster, ...],
-              k: StepConstants) -> tuple[_CtxKey, ...]:
+def _ctx_keys(workload: Workload, cfg: ParallelConfig, cluster: Cluster, clusters: tuple[Cluster, ...],
+              classes: tuple[int, ...], target: Target) -> tuple[_CtxKey, ...]:
+    """The layer context of each of the ranks' node groups ``clusters`` (``rank_clusters``): autocast where the
+    target's ``[memory.*]`` mode of the ranks on it computes fp32 parameters under bf16 autocast
+    (``MemoryMode.autocast_weight_copies``; a mode is per device kind, and so per node group): those ranks'
+    blocks are priced, time, collectives and memory, as that dtype regime runs them
+    (``planner.search.block_cost``)."""
+    modes = _rank_modes(workload, cfg, target, _rank_devices(ByIdentity(cluster), cfg.pp)[0])
+    autocast = [False] * len(clusters)
+    for r, mode in enumerate(modes or ()):
+        autocast[_class_of(classes, r)] = mode.autocast_weight_copies > 0
     return _ctx_keys_cached(ByIdentity(workload), tuple(ByIdentity(part) for part in clusters), cfg.microbatch,
                             cfg.tp, cfg.cp, cfg.ep, cfg.sequence_parallel and cfg.tp > 1, cfg.recompute,
-                            cfg.flash_attention, ByIdentity(k), cfg.precision)
+                            cfg.flash_attention, ByIdentity(target.constants), cfg.precision, tuple(autocast))
 
 
 @functools.lru_cache(maxsize=4096)
 def _ctx_keys_cached(workload: ByIdentity, parts: tuple[ByIdentity, ...], microbatch: int, tp: int, cp: int, ep: int,
-                     sp: bool, recompute: str, flash: bool, k: ByIdentity, precision: str) -> tuple[_CtxKey, ...]:
+                     sp: bool, recompute: str, flash: bool, k: ByIdentity, precision: str,
+                     autocast: tuple[bool, ...]) -> tuple[_CtxKey, ...]:
     """One key object per layer context (memoized, the constants by identity), so the memos keyed by it hash
     it once."""
     return tuple(_CtxKey(workload=workload, cluster=part, microbatch=microbatch, tp=tp, cp=cp, ep=ep, sp=sp,
-                         recompute=recompute, flash=flash, constants=k.obj, precision=precision) for part in parts)
+                         recompute=recompute, flash=flash, constants=k.obj, precision=precision, autocast=on)
+                 for part, on in zip(parts, autocast))
 
 
 def layer_contexts(workload: Workload, config: ParallelConfig, cluster: Cluster, *,
@@ -1098,7 +1080,7 @@ def layer_contexts(workload: Workload, config: ParallelConfig, cluster: Cluster,
     stage_layers = even_stage_layers(workload, chunks) if stage_layers is None else tuple(stage_layers)
     mask = recompute_mask(workload, stage_layers, config)
     clusters, classes = rank_clusters(cluster, config.pp)
-    keys = _ctx_keys(workload, config, clusters, (target or default_target()).constants)
+    keys = _ctx_keys(workload, config, cluster, clusters, classes, target or default_target())
     owner = np.repeat(np.arange(len(stage_layers)), stage_layers)
     out = []
     for e, on in enumerate(mask):
@@ -1167,7 +1149,7 @@ def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_l
     check_recompute_layers(cfg, workload, stage_layers)
     mask = recompute_mask(workload, stage_layers, cfg)
     clusters, classes = rank_clusters(cluster, cfg.pp)
-    parts = _ctx_keys(workload, cfg, clusters, k)
+    parts = _ctx_keys(workload, cfg, cluster, clusters, classes, target)
     uniques, counts = _structure(workload, stage_layers)
     pipe = _pipeline(parts, classes, ByIdentity(cluster), stage_layers, mask, schedule=cfg.schedule, pp=cfg.pp,
                      v=cfg.virtual_stages, m=m, dp=cfg.dp)
@@ -1186,9 +1168,7 @@ def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_l
     breakdown["optimizer"] = dp["optimizer_s"]
     step_s = pipe["total_s"] + dp["exposed_s"] + dp["optimizer_s"]
     gpu, limits_gb, stage_device = _rank_devices(ByIdentity(cluster), cfg.pp)
-    mem_folded = _autocast_memory_columns(folded, pipe["chunks"], parts, classes, stage_layers, mask,
-                                          _rank_modes(workload, cfg, target, gpu), cfg.virtual_stages, cfg.pp)
-    terms, totals = _memory(workload, cfg, mem_folded, dense, expert, m, mc, gpu, target, wb=wb, send=send)
+    terms, totals = _memory(workload, cfg, folded, dense, expert, m, mc, gpu, target, wb=wb, send=send)
     worst = int(np.argmax(totals))
     worst_mem = mem.MemoryEstimate(terms={key: float(val[worst]) for key, val in terms.items()})
     stage_gb = tuple(x / mem.GB for x in totals.tolist())

@@ -150,8 +150,8 @@ class MemoryMode:
     (fp32 parameters under bf16 autocast: one copy of every weight a matmul reads, kept until the autocast region
     exits), over the rank's whole local parameters outside the token embedding (also where they are sharded
     over dp: the copy of a gathered parameter outlives its reshard). Nonzero also says the rank computes under
-    autocast, so its activation and backward working bytes are those of the model traced with fp32 parameters
-    under autocast (``costmodel.step._autocast_memory_columns``, ``LayerCtx.autocast``)."""
+    autocast, so its blocks are priced (time, collectives, activation and backward working bytes) over the model
+    traced with fp32 parameters under autocast (``costmodel.step._ctx_keys``, ``LayerCtx.autocast``)."""
     gradient_buffer: float = 0.0
     """Bytes per parameter of ``gradients`` held from the forward on (DDP's flat bucket, allocated in the step's
     forward): live before the first backward, when the parameters' own gradients are not yet made."""

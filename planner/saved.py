@@ -1,4 +1,5 @@
-"""What autograd keeps for the backward pass, per op of an exported graph: ``saved_bytes_by_node(ep)``.
+"""What autograd keeps for the backward pass, per op of an exported graph: ``saved_bytes_by_node(ep)`` (and, from
+the same replay, the dtypes each op returns: ``replay_forward``).
 
 The exported program runs once under ``FakeTensorMode`` on the CPU device (no memory; CPU so that
 ``scaled_dot_product_attention`` takes the fused kernel, which saves q, k, v, the output and the log-sum-exp as
@@ -27,16 +28,28 @@ the saved activations the block's backward has freed by then.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 log = logging.getLogger(__name__)
 
 
-def saved_bytes_by_node(ep: Any, *, autocast: bool = False) -> dict[str, float] | None:
-    """Bytes saved for backward per ``call_function`` node name of ``ep`` (a ``torch.export.ExportedProgram``),
-    or None when the graph cannot run on fake tensors (the caller keeps its own estimate). ``autocast``: replay
-    under ``torch.autocast(dtype=bfloat16)`` (the export of a model with fp32 parameters, as the runtime computes
-    it there; see the module docstring)."""
+class ForwardReplay(NamedTuple):
+    """What one replay of an exported forward finds (``replay_forward``)."""
+
+    saved: dict[str, float]
+    """Bytes saved for backward per ``call_function`` node name."""
+    dtypes: dict[str, tuple[str, ...]]
+    """Per node name (placeholders too): the dtypes of the tensors it returned in the replay, ``float32`` style.
+    Under autocast they are the dtypes the runtime computes in (a linear's bf16 output beside an fp32 residual
+    stream), where the export's own metadata holds the fp32 model's."""
+
+
+def replay_forward(ep: Any, *, autocast: bool = False) -> ForwardReplay | None:
+    """Replay the forward of ``ep`` (a ``torch.export.ExportedProgram``) once on fake tensors: the bytes saved
+    for backward per ``call_function`` node and the dtypes every node returned; None when the graph cannot run
+    on fake tensors (the caller keeps its own estimate). ``autocast``: replay under
+    ``torch.autocast(dtype=bfloat16)`` (the export of a model with fp32 parameters, as the runtime computes it
+    there; see the module docstring)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.export.graph_signature import InputKind
@@ -50,6 +63,13 @@ def saved_bytes_by_node(ep: Any, *, autocast: bool = False) -> dict[str, float] 
         log.warning("could not replay the exported graph on fake tensors to count saved activations (%s: %s); "
                     "activation bytes fall back to op outputs", type(e).__name__, str(e).splitlines()[0][:200])
         return None
+
+
+def saved_bytes_by_node(ep: Any, *, autocast: bool = False) -> dict[str, float] | None:
+    """Bytes saved for backward per ``call_function`` node name of ``ep``, or None when the graph cannot run on
+    fake tensors: ``replay_forward(ep, autocast=autocast).saved``."""
+    replay = replay_forward(ep, autocast=autocast)
+    return None if replay is None else replay.saved
 
 
 def backward_excess_by_node(ep: Any, block_of: dict[str, str], *, autocast: bool = False) -> dict[str, float] | None:
@@ -252,8 +272,9 @@ def _cpu_interpreter(torch: Any) -> type:
     return _OnCpu
 
 
-def _run(ep: Any, args: list[Any], frozen: set[int], torch: Any) -> dict[str, float]:
+def _run(ep: Any, args: list[Any], frozen: set[int], torch: Any) -> ForwardReplay:
     produced: dict[int, str] = {}
+    dtypes: dict[str, tuple[str, ...]] = {}
     alive: list[Any] = []  # every output stays referenced, so no storage address is reused during the replay
     saved: dict[int, tuple[str, float]] = {}
     current = [""]
@@ -269,6 +290,7 @@ def _run(ep: Any, args: list[Any], frozen: set[int], torch: Any) -> dict[str, fl
         def run_node(self, n: Any) -> Any:
             current[0] = n.name if n.op == "call_function" else ""
             out = super().run_node(n)
+            dtypes[n.name] = tuple(str(t.dtype).removeprefix("torch.") for t in _tensors(out, torch))
             if n.op == "call_function":
                 weights_only = _from_weights(n, self.env, frozen, torch)
                 for t in _tensors(out, torch):
@@ -284,7 +306,7 @@ def _run(ep: Any, args: list[Any], frozen: set[int], torch: Any) -> dict[str, fl
     for name, nbytes in saved.values():
         if name:
             out[name] = out.get(name, 0.0) + nbytes
-    return out
+    return ForwardReplay(saved=out, dtypes=dtypes)
 
 
 _VIEWS_AND_CASTS = ("aten.to.", "aten._to_copy", "aten.t.", "aten.view", "aten.reshape", "aten.expand", "aten.transpose",

@@ -42,7 +42,7 @@ from typing import Any, Iterator
 from costmodel.errors import UnsupportedModelError
 from planner.flops import op_class_of, op_cost, op_name
 from planner.graph import Edge, OpGraph, OpNode, op_signature
-from planner.saved import backward_excess_by_node, saved_bytes_by_node
+from planner.saved import backward_excess_by_node, replay_forward
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +82,8 @@ def trace(model: Any, example_inputs: tuple, *, full_depth: bool = False, causal
 
     ``autocast``: the saved activations and the backward's working bytes (``planner.saved``) are those of the
     graph run under bf16 ``torch.autocast`` (a model with fp32 parameters computed as the runtime computes it
-    without FSDP2's mixed precision: fp32 residual stream and norms, bf16 matmuls); the export, and so the ops,
-    shapes and dtypes, are the model's own."""
+    without FSDP2's mixed precision: fp32 residual stream and norms, bf16 matmuls), and so are each op's input
+    and output dtypes; the export, and so the ops, shapes, FLOPs and traced bytes, are the model's own."""
     t0 = time.perf_counter()
     found = find_layer_list(model)
     graph = None
@@ -378,7 +378,10 @@ def _graph_from_export(ep: Any, *, layer_parent: str | None, layer_fqns: tuple[s
         fqn = param_of.get(ph.name)
         grad[ph.name] = bool(fqn is not None and getattr(state.get(fqn), "requires_grad", True))
     layer_set = set(layer_fqns)
-    saved = saved_bytes_by_node(ep, autocast=autocast) or {}
+    replay = replay_forward(ep, autocast=autocast)
+    saved = replay.saved if replay is not None else {}
+    # under autocast, each op's dtypes as the replay ran it (the export's metadata holds the fp32 model's)
+    ran_as = replay.dtypes if replay is not None and autocast else None
     nodes: list[OpNode] = []
     edges: dict[tuple[str, str], float] = {}
     param_sizes: dict[str, int] = {}
@@ -398,6 +401,10 @@ def _graph_from_export(ep: Any, *, layer_parent: str | None, layer_fqns: tuple[s
             pending.append(len(nodes))
         else:
             block = "embedding"
+        if ran_as is not None:
+            node = replace(node, output_dtypes=ran_as.get(fx.name, node.output_dtypes),
+                           input_dtypes=tuple(d for a in _tensor_inputs(fx) for d in ran_as.get(a.name, ())[:1]
+                                              if hasattr(a.meta.get("val"), "dtype")))
         nodes.append(replace(node, block=block, saved_bytes=saved.get(fx.name, 0.0) if saved else None))
         for f, shape, _ in node.params:
             param_sizes.setdefault(f, _numel(shape))

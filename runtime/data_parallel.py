@@ -180,11 +180,17 @@ def average_gradients(named_params: Iterable[tuple[str, nn.Parameter]], *, mesh:
     by 1/ep): averaged over the outer ``dp`` axis. Every other gradient (the local shard of a TP DTensor, or a
     plain tensor) over the batch ranks (``grad_mesh``). Nothing over tp: every tp rank computed the same.
     Each group's gradients, last parameter first (the order DDP fills its buckets in), are all-reduced as one
-    flat sequence cut into DDP's buckets (``gradient_buckets``): one collective per bucket, not per tensor."""
+    flat sequence cut into DDP's buckets (``gradient_buckets``): one collective per bucket, not per tensor.
+    A gradient replicated over tp where its parameter is sharded (DTensor's embedding backward makes a
+    vocabulary-parallel embedding's gradient whole on every tp rank) is cut to the parameter's shard first, a
+    local slice: what is reduced, and kept for the optimizer, is the rank's shard, as the step model prices it."""
     groups: dict[str, tuple[DeviceMesh, list[torch.Tensor]]] = {"dense": (grad_mesh(mesh), []),
                                                                 "expert": (mesh["dp"], [])}
     for name, p in named_params:
         if p.grad is not None:
+            if (isinstance(p.grad, DTensor) and isinstance(p, DTensor) and p.grad.placements != p.placements
+                    and all(pl.is_replicate() for pl in p.grad.placements)):
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
             g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             groups["expert" if name in expert_params else "dense"][1].append(g)
     for group, grads in groups.values():

@@ -10,10 +10,13 @@ is what the runtime is told to apply. Solutions are memoized per (block, context
 Dtype regimes: the graph is traced with bf16 parameters (``planner.workload``), as FSDP2's mixed precision runs
 it. A rank computing fp32 parameters under bf16 autocast (``LayerCtx.autocast``: DDP / no wrapper on CUDA,
 every mode on CPU ranks) keeps other activations: an fp32 residual stream and norms, a bf16 copy of each
-linear's input. For such a context the block's saved bytes (``activation_bytes``) and its backward's working
-bytes come from the same model traced with fp32 parameters and replayed under autocast
-(``planner.trace.trace(autocast=True)``, made on first need by the ``autocast_graph`` the workload gives and
-kept), node for node, under the sharding solved on the bf16 graph; times are the bf16 graph's.
+linear's input. Such a context is priced over the same model traced with fp32 parameters and replayed under
+autocast (``planner.trace.trace(autocast=True)``, made on first need by the ``autocast_graph`` the workload gives
+and kept), node for node, under the sharding solved on the bf16 graph (``block_plan.reprice_strategy``): its
+saved bytes (``activation_bytes``) and backward's working bytes, and each op's tensors at the dtype autocast
+runs them in (``block_ops.TRACED``): the tp all-reduces of fp32 embedding outputs and of the gradients into the
+linears reading the fp32 residual stream, the ep all-to-alls of fp32 tokens, fp32 elementwise traffic; matmuls
+at the bf16 rate.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ from costmodel.block_cost import LayerCost, LayerCtx, PricedCollective
 from costmodel.compute import dispatch_time_s
 from costmodel.errors import ConfigError, InfeasiblePlanError
 from costmodel.workload import LayerWork
-from planner.search.block_ops import layer_ops_from_block
-from planner.search.block_plan import BlockStrategy, CostOptions, StrategyCache, block_strategy, kept_activation_bytes
+from planner.search.block_ops import TRACED, layer_ops_from_block
+from planner.search.block_plan import (BlockStrategy, CostOptions, StrategyCache, cluster_key, block_strategy,
+                                       reprice_strategy)
 from planner.search.strategies import LayerOp
 
 log = logging.getLogger(__name__)
@@ -63,9 +67,11 @@ class GraphCoster:
     memo of solved blocks, so the step model's own memo (by identity) stays valid."""
 
     def __init__(self, *, graph, blocks: Sequence, seq: int, dtype_bytes: int = 2,
-                 autocast_graph: Callable[[], object] | None = None) -> None:
+                 autocast_graph: Callable[[], object] | None = None, traced_dtypes: bool = False) -> None:
         """``autocast_graph``: called at most once, when a bf16 context first asks for autocast (see the module
-        docstring): the same model's ``OpGraph`` traced with fp32 parameters under autocast, or None."""
+        docstring): the same model's ``OpGraph`` traced with fp32 parameters under autocast, or None.
+        ``traced_dtypes``: the ops' tensors at the dtypes ``graph`` records (the autocast regime's coster), not
+        all at ``dtype_bytes``."""
         self._graph = graph
         self._block_list = tuple(blocks)
         self._blocks = {b.signature: b for b in blocks}
@@ -73,12 +79,14 @@ class GraphCoster:
         self._seq = int(seq)
         self._dtype = _DTYPES.get(int(dtype_bytes), "bf16")
         self._dtype_bytes = int(dtype_bytes)
+        self._ops_dtype = TRACED if traced_dtypes else self._dtype
         self.cache = StrategyCache()
         self._ops: dict[tuple[str, int], tuple] = {}
         self._other_dtypes: dict[int, GraphCoster] = {}
         self._backward: dict[str, tuple[float, float] | None] = {}
         self._autocast_graph = autocast_graph
         self._autocast: list[GraphCoster | None] = []  # the autocast regime's coster, once made
+        self._repriced: dict[tuple, BlockStrategy] = {}
 
     @property
     def dtype_bytes(self) -> int:
@@ -111,7 +119,7 @@ class GraphCoster:
         key = (block.signature, microbatch)
         if key not in self._ops:
             self._ops[key] = layer_ops_from_block(block, self._graph, microbatch=microbatch, seq=self._seq,
-                                                  dtype=self._dtype)
+                                                  dtype=self._ops_dtype)
         return self._ops[key]
 
     def strategy(self, layer: LayerWork, ctx: LayerCtx) -> BlockStrategy:
@@ -129,24 +137,31 @@ class GraphCoster:
 
     def autocast_regime(self) -> "GraphCoster | None":
         """The coster of the graph's autocast regime (see the module docstring): this graph with each node's
-        saved and backward bytes from ``autocast_graph``; made once. None when this coster prices fp32 compute
-        (which runs without autocast), has no ``autocast_graph``, or that graph has no saved bytes or other
-        nodes (a warning)."""
+        saved and backward bytes and its dtypes from ``autocast_graph``, its ops at those dtypes; made once.
+        None when this coster prices fp32 compute (which runs without autocast), has no ``autocast_graph``, or
+        that graph has no saved bytes or other nodes (a warning)."""
         if self._dtype_bytes != 2 or self._autocast_graph is None:
             return None
         if not self._autocast:
-            graph = _with_saved_bytes_of(self._graph, self._autocast_graph())
+            graph = _as_run_in(self._graph, self._autocast_graph())
             self._autocast.append(None if graph is None else GraphCoster(
-                graph=graph, blocks=self._block_list, seq=self._seq, dtype_bytes=self._dtype_bytes))
+                graph=graph, blocks=self._block_list, seq=self._seq, dtype_bytes=self._dtype_bytes,
+                traced_dtypes=True))
         return self._autocast[0]
 
-    def _kept_bytes(self, layer: LayerWork, ctx: LayerCtx, s: BlockStrategy) -> tuple[float, float]:
-        """(activation, full activation) bytes of ``s`` with this coster's saved bytes."""
+    def repriced(self, layer: LayerWork, ctx: LayerCtx, s: BlockStrategy) -> BlockStrategy:
+        """``s`` (solved by another coster of the same blocks for ``ctx``) priced over this coster's ops
+        (``block_plan.reprice_strategy``); memoized."""
         block = self.block_of(layer)
-        return kept_activation_bytes(block, s, ops=self._layer_ops(block, ctx.microbatch), tp=ctx.tp, cp=ctx.cp,
-                                     ep=ctx.ep, microbatch=ctx.microbatch, seq=self._seq, sequence_parallel=ctx.sp,
-                                     recompute=ctx.recompute, cluster=ctx.cluster, device=ctx.device,
-                                     dtype=self._dtype, cost=cost_options(ctx))
+        cost = cost_options(ctx)
+        key = (block.signature or block.name, s.op_strategies, ctx.tp, ctx.cp, ctx.ep, ctx.microbatch, ctx.sp,
+               ctx.recompute, cluster_key(ctx.cluster), getattr(ctx.device, "name", None), cost)
+        if key not in self._repriced:
+            self._repriced[key] = reprice_strategy(
+                block, s, ops=self._layer_ops(block, ctx.microbatch), tp=ctx.tp, cp=ctx.cp, ep=ctx.ep,
+                microbatch=ctx.microbatch, seq=self._seq, sequence_parallel=ctx.sp, recompute=ctx.recompute,
+                cluster=ctx.cluster, device=ctx.device, dtype=self._dtype, cost=cost)
+        return self._repriced[key]
 
     def backward_bytes(self, layer: LayerWork, full_activation_bytes: float) -> float:
         """Bytes the block's backward holds beyond its saved activations and parameter gradients (the traced
@@ -172,23 +187,26 @@ class GraphCoster:
 
     def __call__(self, layer: LayerWork, ctx: LayerCtx) -> LayerCost:
         s = self.strategy(layer, ctx)
+        regime = self.autocast_regime() if ctx.autocast else None
+        if regime is not None:  # the sharding solved here, priced as that dtype regime runs it
+            s = regime.repriced(layer, ctx, s)
+        coster = regime or self
         cal = ctx.cluster.calibration
         d_f = d_b = 0.0
         if layer.kind != "embedding":  # framework time per pass (CPU calibrations; zero on GPUs)
             part = "model" if layer.kind == "head" else "layer"
             d_f, d_b = dispatch_time_s(part=part, device=ctx.device, calibration=cal, tensor_parallel=ctx.tp > 1)
         rec = s.recompute_s + (d_f if ctx.recompute == "full" else 0.0)
-        regime = self.autocast_regime() if ctx.autocast else None  # the bytes of that dtype regime, same sharding
-        act, full = regime._kept_bytes(layer, ctx, s) if regime else (s.activation_bytes, s.full_activation_bytes)
+        act, full = s.activation_bytes, s.full_activation_bytes
         working = full - act if ctx.recompute != "none" else 0.0
         if layer.kind not in ("embedding", "head"):  # the head's backward is its logits and loss, below
-            working += (regime or self).backward_bytes(layer, full)
+            working += coster.backward_bytes(layer, full)
         if layer.kind == "head":  # the logits, and what the target's loss holds per logit element at its peak
             k = ctx.constants  # over vocabulary-sharded logits (a vocab_head), the vocab-parallel loss's bytes
             vocab_parallel = any(st == "vocab_head" for _, st in s.op_strategies)
             per = k.vocab_parallel_loss_bytes_per_logit if vocab_parallel else k.loss_bytes_per_logit
             working += s.logits_bytes * (1.0 + per / self._dtype_bytes)
-        host_f, host_b = expert_host_s(self._ops[(self.block_of(layer).signature, ctx.microbatch)], ctx)
+        host_f, host_b = expert_host_s(coster._ops[(self.block_of(layer).signature, ctx.microbatch)], ctx)
         if ctx.recompute == "full":  # the recomputed forward issues the experts' GEMMs again
             rec = max(s.recompute_s, host_f) + d_f
         return LayerCost(
@@ -204,10 +222,10 @@ class GraphCoster:
         )
 
 
-def _with_saved_bytes_of(graph, other):
-    """``graph`` with each node's ``saved_bytes`` and ``backward_bytes`` those of the node of the same name and
-    op in ``other`` (the same model traced in another dtype regime); None (a warning) when ``other`` is None,
-    has no saved bytes, or its nodes differ."""
+def _as_run_in(graph, other):
+    """``graph`` with each node's ``saved_bytes``, ``backward_bytes`` and input / output dtypes those of the node
+    of the same name and op in ``other`` (the same model traced in another dtype regime); None (a warning) when
+    ``other`` is None, has no saved bytes, or its nodes differ."""
     if other is None:
         return None
     same = [(n.name, n.target) for n in graph.nodes] == [(n.name, n.target) for n in other.nodes]
@@ -215,5 +233,6 @@ def _with_saved_bytes_of(graph, other):
         log.warning("the autocast trace has %s: its ranks' activations are priced from the bf16 trace",
                     "other ops" if not same else "no saved bytes")
         return None
-    return replace(graph, nodes=tuple(replace(n, saved_bytes=o.saved_bytes, backward_bytes=o.backward_bytes)
+    return replace(graph, nodes=tuple(replace(n, saved_bytes=o.saved_bytes, backward_bytes=o.backward_bytes,
+                                              input_dtypes=o.input_dtypes, output_dtypes=o.output_dtypes)
                                       for n, o in zip(graph.nodes, other.nodes)))

@@ -28,7 +28,10 @@ the structure the layouts are chosen on):
   output.
 
 Numbers are converted to the micro-batch and sequence asked for (token-linear work scales with tokens, the
-attention core with ``batch * seq^2``) and to the training dtype's bytes.
+attention core with ``batch * seq^2``) and to the training dtype's bytes, or, with ``dtype="traced"``, kept at
+each tensor's traced dtype (the graph of fp32 parameters under bf16 autocast, ``planner.trace.trace(autocast=True)``:
+a linear's output in bf16, the residual stream, norms and the tokens experts receive in fp32, the weights and
+their gradients in fp32).
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ _ALIASES = ("aten.to.", "aten._to_copy", "aten._assert", "aten.alias", "aten.clo
             "aten.detach", "aten.lift_fresh")
 """Ops that hand on (a copy of) their input: the residual stream often passes through a dtype cast."""
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "tf32": 4}
+TRACED = "traced"
+"""``layer_ops_from_block``'s dtype that keeps every tensor at the element size it was traced in."""
 _CONV = ("aten.conv", "aten.convolution", "aten._convolution")
 _GATHERS = ("aten.index", "aten._unsafe_index", "aten.gather", "aten.index_select")
 _SPLITS = ("aten.split", "aten.split_with_sizes", "aten.chunk", "aten.unbind", "aten.tensor_split",
@@ -80,6 +85,14 @@ class _Acc:
     """Linears: every member is an ``nn.Linear`` (``aten.linear``), which Colwise / RowwiseParallel need."""
     tokens_hidden: tuple[int, int] = (0, 0)
     """Experts: (tokens, hidden) of the token-major input the experts read."""
+    out_size: float = 2.0
+    """Bytes per element of the output as traced (``dtype="traced"``)."""
+    act_bytes: float = 0.0
+    """``act_elems`` in bytes, each op's at its output's traced element size."""
+    weight_bytes: float = 0.0
+    """``weight_elems`` in bytes at the parameters' traced dtype."""
+    dispatch_size: float = 2.0
+    """Experts: bytes per element of the token-major input the experts read, as traced."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -87,6 +100,7 @@ class _Scale:
     tokens: float
     attention: float
     dtype_bytes: int
+    """Bytes per activation / weight element; 0: each at its traced size (``TRACED``)."""
 
 
 def layer_ops_from_block(block, graph, *, microbatch: int, seq: int, dtype: str = "bf16") -> tuple[LayerOp, ...]:
@@ -221,17 +235,20 @@ class _Builder:
             flat = [sh for sh in n.input_shapes if len(sh) == 2 and sh[1] > 1]
             if flat:
                 acc.tokens_hidden = (flat[0][0], flat[0][1])
+                acc.dispatch_size = _size(n.input_dtypes[0] if n.input_dtypes else "")
         acc.flops_fwd += n.flops_fwd
         acc.flops_bwd += n.flops_bwd
         weight = sum(_numel(p[1]) for p in n.params)
         acc.params += weight
         acc.weight_elems += weight
+        acc.weight_bytes += _param_bytes(n)
         token_major = [_numel(sh) for sh in n.output_shapes if len(sh) == 2]
         if n.op_class != "view":
             acc.act_elems += 2 * sum(token_major)
+            acc.act_bytes += 2 * sum(token_major) * _out_size(n)
             acc.saved_elems += _saved_elems(n, sum(token_major))
         if token_major:
-            acc.out_elems = float(token_major[0])
+            acc.out_elems, acc.out_size = float(token_major[0]), _out_size(n)
 
     def _norm(self, n, ins: list[str]) -> None:
         """All ops run inside one norm module (RMSNorm decomposes into pow, mean, rsqrt, mul) are one op."""
@@ -244,7 +261,7 @@ class _Builder:
         self.rep[n.name] = name
         self._add_work(acc, n)
         if n.output_shapes:
-            acc.out_elems = float(_numel(n.output_shapes[0]))
+            acc.out_elems, acc.out_size = float(_numel(n.output_shapes[0])), _out_size(n)
 
     def _new(self, n, kind: str, ins: list[str], *, modules=()) -> _Acc:
         acc = _Acc(name=n.name, kind=kind, inputs=list(ins), modules=list(modules), op_class=n.op_class)
@@ -252,6 +269,7 @@ class _Builder:
         self.rep[n.name] = n.name
         self._add_work(acc, n)
         acc.out_elems = float(_numel(n.output_shapes[0])) if n.output_shapes else 0.0
+        acc.out_size = _out_size(n)
         if kind == "attention" and n.input_shapes and len(n.input_shapes[0]) == 4:
             acc.out_features = [n.input_shapes[0][1], n.input_shapes[1][1]]  # (heads, kv heads as traced)
             self.attention_seq = max(self.attention_seq, n.input_shapes[0][2])
@@ -268,16 +286,18 @@ class _Builder:
             acc.flops_bwd += n.flops_bwd
         if n.op_class != "view":
             acc.act_elems += max(0, acts)
+            acc.act_bytes += max(0, acts) * _out_size(n)
         acc.saved_elems += _saved_elems(n, sum(_numel(s) for s in n.output_shapes) if n.op_class != "view" else 0)
         acc.weight_elems += weight_elems
+        acc.weight_bytes += _param_bytes(n)
         acc.params += weight_elems
 
     def _fold(self, n, into: str) -> None:
         self.rep[n.name] = into
         acc = self.ops[into]
         self._add_work(acc, n)
-        if n.op_class != "view" and n.output_shapes and into != "input":
-            acc.out_elems = max(acc.out_elems, float(_numel(n.output_shapes[0])))
+        if n.op_class != "view" and n.output_shapes and into != "input" and _numel(n.output_shapes[0]) >= acc.out_elems:
+            acc.out_elems, acc.out_size = float(_numel(n.output_shapes[0])), _out_size(n)
 
     def _linear(self, n, ins: list[str], weight) -> None:
         # Features from the activations: GPT-2's Conv1D (aten.addmm(bias, x, w)) stores its weight as (in, out).
@@ -344,12 +364,14 @@ class _Builder:
             if heads:
                 h = heads[-1]
                 self.ops["loss"] = _Acc(name="loss", kind="loss", inputs=[h.name], act_elems=h.out_elems,
-                                        tokens=h.tokens, op_class="reduction")
+                                        act_bytes=h.out_elems * h.out_size, tokens=h.tokens, op_class="reduction")
             return list(self.ops.values())
         end = self.last_residual if self.block.kind == "transformer" else (last or "input")
         stream = self.ops[end].out_elems if end != "input" else 0.0
+        size = self.ops[end].out_size if end != "input" else 2.0
         self.ops["input"].out_elems = stream if self.block.kind == "transformer" else 0.0
-        self.ops["output"] = _Acc(name="output", kind="output", inputs=[end], out_elems=stream)
+        self.ops["input"].out_size = size
+        self.ops["output"] = _Acc(name="output", kind="output", inputs=[end], out_elems=stream, out_size=size)
         return list(self.ops.values())
 
     def heads_of(self, acc: _Acc) -> tuple[int, int, int] | None:
@@ -378,6 +400,20 @@ def _saved_elems(n, outputs: float) -> float:
 
 
 _ELEMENT_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def _size(dtype: str) -> float:
+    """Bytes per element of a traced dtype name (2 for one not known: the training dtype's)."""
+    return float(_ELEMENT_BYTES.get(str(dtype).replace("torch.", ""), 2))
+
+
+def _out_size(n) -> float:
+    return _size(n.output_dtypes[0] if n.output_dtypes else "")
+
+
+def _param_bytes(n) -> float:
+    """Bytes of the parameters ``n`` reads, at their traced dtype."""
+    return sum(_numel(shape) * _size(dtype) for _, shape, dtype in n.params)
 
 
 def _norm_modules(nodes) -> frozenset[str]:
@@ -411,11 +447,14 @@ def _scale_of(b: _Builder, *, microbatch: int, seq: int, dtype: str) -> _Scale:
     else:  # a block without linears (a CNN's): the batch of its convolutions' input
         traced_batch = b.conv_batch or 1
     tokens = (microbatch * seq) / (traced_batch * traced_seq)
-    return _Scale(tokens=tokens, attention=tokens * seq / traced_seq, dtype_bytes=DTYPE_BYTES.get(dtype, 2))
+    db = 0 if dtype == TRACED else DTYPE_BYTES.get(dtype, 2)
+    return _Scale(tokens=tokens, attention=tokens * seq / traced_seq, dtype_bytes=db)
 
 
 def _to_layer_op(a: _Acc, sc: _Scale, *, heads: tuple[int, int, int] | None, experts: int = 0) -> LayerOp:
     db = sc.dtype_bytes
+    out_size, act_bytes = (db, a.act_elems * db) if db else (a.out_size, a.act_bytes)
+    weight_bytes = a.weight_elems * db if db else a.weight_bytes
     shard_dims: tuple[int, ...] = ()
     if a.kind in ("linear", "router", "head"):
         outs, fan_in = list(a.out_features), a.in_features
@@ -430,7 +469,7 @@ def _to_layer_op(a: _Acc, sc: _Scale, *, heads: tuple[int, int, int] | None, exp
         shard_dims = heads[:2]
     elif a.kind in ("embedding",):
         shard_dims = (a.out_features[0],) if a.out_features else ()
-    out_bytes = a.out_elems * sc.tokens * db
+    out_bytes = a.out_elems * sc.tokens * out_size
     dispatch = rows = 0.0
     if a.kind == "experts" and experts and a.out_elems:
         # tokens * topk * hidden elements cross the ep axis each way; topk from FLOPs = 2 * tokens * topk * P_e
@@ -438,18 +477,18 @@ def _to_layer_op(a: _Acc, sc: _Scale, *, heads: tuple[int, int, int] | None, exp
         tokens, hidden = a.tokens_hidden
         topk = a.flops_fwd / (2.0 * tokens * per_expert) if per_expert and tokens else 1.0
         rows = tokens * topk * sc.tokens
-        dispatch = rows * hidden * db
+        dispatch = rows * hidden * (db or a.dispatch_size)
     if a.kind == "loss":  # fp32 per-token statistics (max, sum of exponentials, target logit)
         out_bytes = a.tokens * sc.tokens * 4.0
     return LayerOp(
         name=a.name, kind=a.kind, inputs=tuple(a.inputs), modules=tuple(a.modules),  # type: ignore[arg-type]
         flops_fwd=a.flops_fwd * sc.tokens + a.attn_flops_fwd * sc.attention,
         flops_bwd=a.flops_bwd * sc.tokens + a.attn_flops_bwd * sc.attention,
-        bytes_fwd=(a.act_elems * sc.tokens + a.weight_elems) * db,
+        bytes_fwd=act_bytes * sc.tokens + weight_bytes,
         out_bytes=out_bytes, dispatch_bytes=dispatch, dispatch_rows=rows,
         experts=experts if a.kind == "experts" else 0,
         saved_bytes=a.saved_elems * sc.tokens * 2.0,  # measured bytes (bf16-sized units), whatever the trace dtype
-        params=int(a.params), param_bytes=float(a.params) * db, shard_dims=shard_dims,
+        params=int(a.params), param_bytes=float(a.params) * db if db else a.weight_bytes, shard_dims=shard_dims,
         op_class=a.op_class if a.op_class != "other" else "elementwise",
         mnk=(int(a.tokens * sc.tokens), sum(a.out_features), a.in_features)
         if a.kind in ("linear", "router", "head") else (),

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 from costmodel.errors import ConfigError, InfeasiblePlanError
@@ -84,7 +84,7 @@ def _cost_strategy(op: LayerOp, s: OpStrategy, *, ctx: CostContext, mesh: MeshSh
     flops_bwd = op.flops_bwd if ctx.flash or op.kind != "attention" else 2.0 * op.flops_fwd
     # the activations split with the work, the weights with the parameters (an expert-parallel rank reads only
     # its own experts' weights, a context-parallel rank all of its weights)
-    weights = min(op.bytes_fwd, op.params * ctx.weight_bytes_per_param)
+    weights = min(op.bytes_fwd, op.param_bytes or op.params * ctx.weight_bytes_per_param)
     moved = (op.bytes_fwd - weights) * frac + weights * s.param_fraction
     fwd = ctx.op_time_s(op, s, op.flops_fwd * frac, moved) if (op.flops_fwd or op.bytes_fwd) else 0.0
     # Backward reads the forward's inputs and output gradient and writes the input and weight gradients: about
@@ -430,7 +430,7 @@ def block_strategy(block, *, graph, tp: int, cp: int = 1, ep: int = 1, microbatc
     gpu = device if device is not None else cluster.node_type_of_rank(first_rank).gpu
     mesh = _mesh(tp=tp, cp=cp, ep=ep, sequence_parallel=sequence_parallel, gpu=gpu)
     key = (getattr(block, "signature", None) or block.name, mesh, microbatch, seq, recompute, gpu.name, dtype,
-           _cluster_key(cluster), first_rank, mem_budget_bytes, state_bytes_per_param, activation_multiplier,
+           cluster_key(cluster), first_rank, mem_budget_bytes, state_bytes_per_param, activation_multiplier,
            options, cost)
     if cache is not None:
         hit = cache.get(key)
@@ -452,27 +452,30 @@ def block_strategy(block, *, graph, tp: int, cp: int = 1, ep: int = 1, microbatc
     return result
 
 
-def kept_activation_bytes(block, strategy: BlockStrategy, *, ops: Sequence[LayerOp], tp: int, cp: int = 1,
-                          ep: int = 1, microbatch: int, seq: int, sequence_parallel: bool = False,
-                          recompute: str = "none", cluster, device=None, dtype: str = "bf16", first_rank: int = 0,
-                          cost: CostOptions = CostOptions()) -> tuple[float, float]:
-    """(``activation_bytes``, ``full_activation_bytes``) of ``strategy`` (a solution of ``block_strategy`` for the
-    same block and arguments) with the saved bytes of ``ops`` instead: the block's coarse ops, of the same names,
-    as traced under another dtype regime (``planner.search.block_cost.GraphCoster``: fp32 parameters under bf16
-    autocast). The shardings and what the solution costs in time stay those it was solved for."""
+def reprice_strategy(block, strategy: BlockStrategy, *, ops: Sequence[LayerOp], tp: int, cp: int = 1, ep: int = 1,
+                     microbatch: int, seq: int, sequence_parallel: bool = False, recompute: str = "none", cluster,
+                     device=None, dtype: str = "bf16", first_rank: int = 0,
+                     cost: CostOptions = CostOptions()) -> BlockStrategy:
+    """``strategy`` (a solution of ``block_strategy`` for the same block and arguments) priced over ``ops``
+    instead: the block's coarse ops, of the same names, as traced under another dtype regime
+    (``planner.search.block_cost.GraphCoster``: fp32 parameters under bf16 autocast, ``dtype="traced"`` ops).
+    The shardings are the solution's, op for op; its compute, collectives (their bytes at the dtypes the regime
+    moves) and kept activations are those of ``ops``; the solver record is the solution's."""
     gpu = device if device is not None else cluster.node_type_of_rank(first_rank).gpu
     mesh = _mesh(tp=tp, cp=cp, ep=ep, sequence_parallel=sequence_parallel, gpu=gpu)
     ctx = _cost_context(block, ops, mesh=mesh, gpu=gpu, cluster=cluster, microbatch=microbatch, seq=seq,
                         dtype=dtype, first_rank=first_rank, cost=cost)
     chosen = dict(strategy.op_strategies)
-    if set(chosen) != {op.name for op in ops}:
+    if [op.name for op in ops] != [name for name, _ in strategy.op_strategies]:
         raise ConfigError(f"block {block.name!r}: the ops given are not those the strategy was solved for")
-    saved = full = 0.0
-    for op in ops:
-        s = next(c for c in candidates(op, mesh) if c.name == chosen[op.name])
-        kept, whole = _kept_bytes(op, s, ctx=ctx, mesh=mesh, recompute=recompute)
-        saved, full = saved + kept, full + whole
-    return saved, full
+    bp = block_problem(ops, mesh=mesh, ctx=ctx, recompute=recompute,
+                       periodic=getattr(block, "kind", "transformer") == "transformer")
+    choice = tuple(bp.problem.strategy_names[i].index(chosen[op.name]) for i, op in enumerate(ops))
+    p = bp.problem
+    sol = intra_op.ShardingSolution(choice=choice, objective=intra_op.evaluate(p, choice), bound=0.0, gap=0.0,
+                                    status=strategy.solver.get("status", "FEASIBLE"), solve_time_s=0.0,
+                                    memory_bytes=intra_op.memory_of(p, choice))
+    return replace(read_solution(bp, sol, ctx=ctx, mesh=mesh, recompute=recompute), solver=dict(strategy.solver))
 
 
 def _mesh(*, tp: int, cp: int, ep: int, sequence_parallel: bool, gpu) -> MeshShape:
@@ -516,7 +519,7 @@ def _explain_infeasible(e: InfeasiblePlanError, *, block, ops: Sequence[LayerOp]
     )
 
 
-def _cluster_key(cluster) -> tuple:
+def cluster_key(cluster) -> tuple:
     """What of a Cluster the costs depend on (Cluster objects hold dicts and are not hashable)."""
     groups = tuple((g.node.name, g.count, g.node.gpus_per_node, g.node.intra.gbps_per_direction,
                     g.node.nic.gbps_per_direction, g.node.nics_per_node) for g in cluster.groups)
