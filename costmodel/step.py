@@ -1045,19 +1045,19 @@ def _flops_cached(layers: ByIdentity, stage_layers: tuple[int, ...], mask: tuple
 
 
 def _ctx_keys(workload: Workload, cfg: ParallelConfig, cluster: Cluster, clusters: tuple[Cluster, ...],
-              classes: tuple[int, ...], target: Target) -> tuple[_CtxKey, ...]:
+              classes: tuple[int, ...], target: Target, *, autocast: bool = True) -> tuple[_CtxKey, ...]:
     """The layer context of each of the ranks' node groups ``clusters`` (``rank_clusters``): autocast where the
     target's ``[memory.*]`` mode of the ranks on it computes fp32 parameters under bf16 autocast
     (``MemoryMode.autocast_weight_copies``; a mode is per device kind, and so per node group): those ranks'
     blocks are priced, time, collectives and memory, as that dtype regime runs them
-    (``planner.search.block_cost``)."""
-    modes = _rank_modes(workload, cfg, target, _rank_devices(ByIdentity(cluster), cfg.pp)[0])
-    autocast = [False] * len(clusters)
+    (``planner.search.block_cost``); ``autocast=False``: none (``estimate_step``)."""
+    on = [False] * len(clusters)
+    modes = _rank_modes(workload, cfg, target, _rank_devices(ByIdentity(cluster), cfg.pp)[0]) if autocast else ()
     for r, mode in enumerate(modes or ()):
-        autocast[_class_of(classes, r)] = mode.autocast_weight_copies > 0
+        on[_class_of(classes, r)] = mode.autocast_weight_copies > 0
     return _ctx_keys_cached(ByIdentity(workload), tuple(ByIdentity(part) for part in clusters), cfg.microbatch,
                             cfg.tp, cfg.cp, cfg.ep, cfg.sequence_parallel and cfg.tp > 1, cfg.recompute,
-                            cfg.flash_attention, ByIdentity(target.constants), cfg.precision, tuple(autocast))
+                            cfg.flash_attention, ByIdentity(target.constants), cfg.precision, tuple(on))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -1137,7 +1137,7 @@ def priced_collectives(workload: Workload, config: ParallelConfig, cluster: Clus
 
 
 def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_layers: tuple[int, ...] | None,
-              target: Target, mc: mem.MemoryConstants) -> StepEstimate:
+              target: Target, mc: mem.MemoryConstants, autocast: bool = True) -> StepEstimate:
     k = target.constants
     m, chunks = cfg.num_microbatches, cfg.pp * cfg.virtual_stages
     pl.check_schedule(cfg.schedule, pp=cfg.pp, num_microbatches=m, virtual_stages=cfg.virtual_stages)
@@ -1149,7 +1149,7 @@ def _estimate(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_l
     check_recompute_layers(cfg, workload, stage_layers)
     mask = recompute_mask(workload, stage_layers, cfg)
     clusters, classes = rank_clusters(cluster, cfg.pp)
-    parts = _ctx_keys(workload, cfg, cluster, clusters, classes, target)
+    parts = _ctx_keys(workload, cfg, cluster, clusters, classes, target, autocast=autocast)
     uniques, counts = _structure(workload, stage_layers)
     pipe = _pipeline(parts, classes, ByIdentity(cluster), stage_layers, mask, schedule=cfg.schedule, pp=cfg.pp,
                      v=cfg.virtual_stages, m=m, dp=cfg.dp)
@@ -1228,7 +1228,8 @@ def _virtual_choices(workload: Workload, cfg: ParallelConfig, stage_layers) -> l
     return [v for v in range(1, per_rank + 1) if per_rank % v == 0] or [1]
 
 
-def _choose(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_layers, target, mc) -> StepEstimate:
+def _choose(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_layers, target, mc,
+            autocast: bool = True) -> StepEstimate:
     """Fill in a None micro-batch / virtual_stages: the fastest that fits, else the smallest memory."""
     per_rank = cfg.global_batch // cfg.dp
     mbs = [cfg.microbatch] if cfg.microbatch else [d for d in range(1, per_rank + 1) if per_rank % d == 0]
@@ -1238,7 +1239,7 @@ def _choose(workload: Workload, cfg: ParallelConfig, cluster: Cluster, stage_lay
         for v in vs:
             trial = dataclasses.replace(cfg, microbatch=mb, virtual_stages=v)
             try:
-                est = _estimate(workload, trial, cluster, stage_layers, target, mc)
+                est = _estimate(workload, trial, cluster, stage_layers, target, mc, autocast)
             except ConfigError as e:
                 errors.append(str(e))
                 continue
@@ -1264,18 +1265,22 @@ def estimate_step(
     stage_layers: tuple[int, ...] | None = None,
     target: Target | None = None,
     memory_constants: mem.MemoryConstants = mem.DEFAULT_MEMORY,
+    autocast: bool = True,
 ) -> StepEstimate:
     """Step time, FLOP rates, memory and breakdown of ``config`` (see the module docstring).
 
     ``stage_layers``: workload entries per pipeline chunk (``pp * virtual_stages`` counts); None: even.
+    ``autocast=False``: every rank priced as computing bf16 parameters, also where the target's memory mode
+    computes fp32 parameters under autocast (``_ctx_keys``), which moves more bytes and is never faster: the
+    layer costs a search's lower bounds read (``planner.search.driver``), not what runs.
     Raises ConfigError for invalid configurations, with the numbers and the nearest valid values.
     """
     validate_config(config, workload, cluster.num_devices)
     target = target or default_target()
     target.check_precision(config.precision, cluster)
     if config.microbatch is None or config.virtual_stages is None:
-        return _choose(workload, config, cluster, stage_layers, target, memory_constants)
-    return _estimate(workload, config, cluster, stage_layers, target, memory_constants)
+        return _choose(workload, config, cluster, stage_layers, target, memory_constants, autocast)
+    return _estimate(workload, config, cluster, stage_layers, target, memory_constants, autocast)
 
 
 def default_target() -> Target:

@@ -87,6 +87,10 @@ class _Ctx:
     config_type: Any = None
     refuse: Callable[[Any], Sequence[str]] | None = None
     """Why the execution target cannot run a configuration (empty: it can); refused ones are never priced."""
+    bound_estimate: Estimator | None = None
+    """The estimate the bounds' probes read layer costs from (``estimate`` when None): every rank in its fastest
+    dtype regime (``costmodel.step.estimate_step(autocast=False)``), so a bound read off a ZeRO-0 probe holds
+    for every ZeRO stage."""
     precision: str = "bf16"
     layout: bd.Layout | None = None
     ideal_s: float = 0.0
@@ -108,18 +112,19 @@ class _Ctx:
     def price(self, structure: sp.Structure, knobs: sp.Knobs, stage_layers=None, *, runnable: bool = True
               ) -> Any | None:
         """The step model's estimate, None when it or the execution target refuses the configuration;
-        ``runnable=False`` prices what the target may not run (the bounds' probes: layer costs do not depend on
-        the knobs or schedule a target refuses)."""
+        ``runnable=False`` prices what the target may not run, with ``bound_estimate`` (the bounds' probes:
+        layer costs do not depend on the knobs or schedule a target refuses)."""
         cfg = self.config(structure, knobs)
         if runnable and self.refuse is not None and self.refuse(cfg):
             log.debug("skip %s %s: the execution target cannot run it", structure.summary(), knobs.summary())
             return None
-        key = (structure, knobs, stage_layers)
+        key = (structure, knobs, stage_layers, runnable)
         if key in self.cache:
             return self.cache[key]
         self.evaluations += 1
+        estimate = self.estimate if runnable else (self.bound_estimate or self.estimate)
         try:
-            est = self.estimate(self.workload, cfg, self.cluster, stage_layers=stage_layers)
+            est = estimate(self.workload, cfg, self.cluster, stage_layers=stage_layers)
         except ConfigError as e:  # the step model refuses what the space let through: skip, but say so
             log.debug("skip %s %s: %s", structure.summary(), knobs.summary(), e)
             est = None
@@ -481,14 +486,19 @@ def search(
     config_type: Any = None,
     refuse: Callable[[Any], Sequence[str]] | None = None,
     precision: str = "bf16",
+    bound_estimate: Estimator | None = None,
 ) -> SearchResult:
     """The best configuration for ``workload`` on ``cluster`` under the step model ``estimate``
     (``costmodel.step.estimate_step`` by default; tests pass stand-ins with their own ``config_type``).
     ``time_limit_s`` bounds this search (anytime: it stops after a first plan that fits). ``refuse(config)``:
     why the execution target cannot run a configuration (``costmodel.targets.Target.refusals``): refused ones
-    are never proposed. ``precision``: the GEMM precision every configuration is priced at."""
+    are never proposed. ``precision``: the GEMM precision every configuration is priced at. ``bound_estimate``:
+    what the lower bounds' probes are priced with (``_Ctx.bound_estimate``; ``estimate`` when None, and
+    ``estimate_step(autocast=False)`` with the default ``estimate``)."""
     if estimate is None:
         from costmodel.step import estimate_step as estimate
+
+        bound_estimate = bound_estimate or functools.partial(estimate, autocast=False)
     options = options or sp.SearchOptions()
     fixed = sp.parse_fix(fix)
     if workload.experts and "recompute" not in fixed and set(options.recompute) - {"selective"}:
@@ -498,7 +508,8 @@ def search(
     deadline = None if time_limit_s is None else t0 + max(0.0, float(time_limit_s))
     ctx = _Ctx(workload=workload, cluster=cluster, global_batch=int(global_batch), estimate=estimate,
                options=options, fix=fixed, deadline=deadline, progress=progress, config_type=config_type,
-               refuse=refuse, precision=precision, layout=bd.layout_of(workload.layers), ideal_s=_ideal_step_s(workload, cluster, global_batch))
+               refuse=refuse, precision=precision, layout=bd.layout_of(workload.layers), ideal_s=_ideal_step_s(workload, cluster, global_batch),
+               bound_estimate=bound_estimate)
     dims = sp.ModelDimsLite(heads=workload.heads, kv_heads=workload.kv_heads, layers=workload.num_layers,
                             seq=workload.seq, experts=workload.experts)
     structures = sp.enumerate_structures(dims=dims, num_devices=cluster.num_devices,
@@ -647,7 +658,9 @@ def plan_model(
         spec.check_precision(precision, cluster)
     plans = [_plan_one(model, cluster, global_batch=global_batch, seq=seq, time_limit_s=time_limit_s, fix=fix,
                        options=options, progress=progress, record_timings=record_timings, target=spec, precision=p,
-                       estimate=functools.partial(estimate_step, target=spec), example_inputs=example_inputs,
+                       estimate=functools.partial(estimate_step, target=spec),
+                       bound_estimate=functools.partial(estimate_step, target=spec, autocast=False),
+                       example_inputs=example_inputs,
                        compute_dtype=compute_dtype)
              for p in (spec.precisions_on(cluster) if precision == "auto" else (precision,))]
     return min(plans, key=lambda p: (not p.prediction.fits, p.prediction.step_time_s))
@@ -667,7 +680,8 @@ def _unpipelined(fix: Any, *, blocker: str, name: str) -> Any:
 
 def _plan_one(model: Any, cluster: Any, *, global_batch: int, seq: int | None, time_limit_s: float | None, fix: Any,
               options: sp.SearchOptions | None, progress: Progress | None, record_timings: bool, target: Any,
-              precision: str, estimate: Estimator, example_inputs: Any, compute_dtype: str | None = None):
+              precision: str, estimate: Estimator, example_inputs: Any, compute_dtype: str | None = None,
+              bound_estimate: Estimator | None = None):
     """``plan_model`` for one target and precision."""
     from planner.search import model_input
     from planner.search.assemble import build_plan
@@ -690,7 +704,8 @@ def _plan_one(model: Any, cluster: Any, *, global_batch: int, seq: int | None, t
     fix = _unpipelined(fix, blocker=str(w.meta.get("pipeline_blocker", "")), name=loaded.model_info.name)
     refuse = functools.partial(target.refusals, experts=w.experts, tied_embeddings=w.tied_embeddings, glu=w.glu)
     result = search(workload=w, cluster=cluster, global_batch=global_batch, options=options, estimate=estimate,
-                    fix=fix, time_limit_s=time_limit_s, progress=progress, refuse=refuse, precision=precision)
+                    fix=fix, time_limit_s=time_limit_s, progress=progress, refuse=refuse, precision=precision,
+                    bound_estimate=bound_estimate)
     t1 = time.perf_counter()
     best_config = replace(make_config(result.best.structure, result.best.knobs, global_batch=global_batch),
                           precision=precision)
