@@ -190,6 +190,16 @@ def dispatch_time_s(
     return (fit.tp_model_fwd_s, fit.tp_model_bwd_s) if tp else (fit.model_fwd_s, fit.model_bwd_s)
 
 
+def fsdp_unit_time_s(*, device: Accelerator, calibration: Calibration | None = None) -> float:
+    """Framework seconds FSDP2 adds per wrapped unit and micro-batch pass (its pre / post forward and backward
+    hooks, the copy-in before and copy-out after each all-gather, the reduce-scatter's chunk-cat and the gloo calls
+    themselves): the calibration's ``DispatchFit.fsdp_unit_s`` (``runtime.measure.compute._fsdp_fixture``), else
+    zero (accelerators: the host runs ahead of the device)."""
+    if calibration is None or calibration.accelerator != device.name or calibration.dispatch_fit is None:
+        return 0.0
+    return calibration.dispatch_fit.fsdp_unit_s
+
+
 def matmul_time_s(
     m: int,
     n: int,
