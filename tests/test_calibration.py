@@ -344,3 +344,32 @@ def test_fsdp_unit_time_is_fitted_and_priced_per_unit_and_microbatch(tmp_path):
         t = {name: estimate_step(w, cfg, resolve_cluster("local", nodes=1, gpus_per_node=2, profile_path=path))
              for name, path in cals.items()}
         assert t["with"].step_time_s - t["without"].step_time_s == pytest.approx(extra, rel=1e-6, abs=1e-12)
+
+
+def test_sequence_parallel_dispatch_has_its_own_fit():
+    """Points measured under tensor + sequence parallelism fit their own per-layer and fixed times; a layer under
+    sp prices them, one under tp alone the tensor-parallel ones, and a calibration without sp points falls back
+    to the tensor-parallel fit."""
+    from costmodel.calibration import DispatchPoint, fit_dispatch
+    from costmodel.compute import dispatch_time_s
+    from costmodel.profiles import make_cluster
+
+    sp = tuple(DispatchPoint(layers=n, fwd_s=7e-3 + n * 5e-3, bwd_s=3e-3 + n * 8e-3, tensor_parallel=True,
+                             sequence_parallel=True) for n in (1, 6))
+    fit = fit_dispatch(_dispatch_points() + sp)
+    assert (fit.sp_layer_fwd_s, fit.sp_layer_bwd_s, fit.sp_model_fwd_s, fit.sp_model_bwd_s) == pytest.approx(
+        (5e-3, 8e-3, 7e-3, 3e-3))
+    assert (fit.tp_layer_fwd_s, fit.tp_layer_bwd_s) == pytest.approx((4e-3, 6e-3))  # sp points kept out
+    with_sp, without = _with_dispatch(), None
+    base = _synthetic()
+    with_sp = build_calibration(device_name=base.device_name, accelerator=base.accelerator, date=base.date,
+                                backend=base.backend, memory_gb=base.memory_gb, matmul=base.matmul,
+                                membound=base.membound, collectives=base.collectives, dispatch=_dispatch_points() + sp)
+    without = _with_dispatch()
+    cpu = make_cluster("local", 1, gpus_per_node=2, calibration=with_sp).gpu
+    kw = dict(part="layer", device=cpu, tensor_parallel=True)
+    assert dispatch_time_s(calibration=with_sp, sequence_parallel=True, **kw) == pytest.approx((5e-3, 8e-3))
+    assert dispatch_time_s(calibration=with_sp, **kw) == pytest.approx((4e-3, 6e-3))
+    assert dispatch_time_s(calibration=without, sequence_parallel=True, **kw) == pytest.approx((4e-3, 6e-3))
+    assert dispatch_time_s(part="model", device=cpu, calibration=with_sp, tensor_parallel=True,
+                           sequence_parallel=True) == pytest.approx((7e-3, 3e-3))

@@ -176,7 +176,8 @@ class GraphCoster:
         d_f = d_b = 0.0
         if layer.kind != "embedding":  # framework time per pass (CPU calibrations; zero on GPUs)
             part = "model" if layer.kind == "head" else "layer"
-            d_f, d_b = dispatch_time_s(part=part, device=ctx.device, calibration=cal, tensor_parallel=ctx.tp > 1)
+            d_f, d_b = dispatch_time_s(part=part, device=ctx.device, calibration=cal, tensor_parallel=ctx.tp > 1,
+                                       sequence_parallel=ctx.sp)
         rec = s.recompute_s + (d_f if ctx.recompute == "full" else 0.0)
         regime = self.autocast_regime() if ctx.autocast else None  # the bytes of that dtype regime, same sharding
         act, full = regime._kept_bytes(layer, ctx, s) if regime else (s.activation_bytes, s.full_activation_bytes)
