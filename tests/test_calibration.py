@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -142,6 +143,28 @@ def test_measure_collectives_on_two_gloo_ranks():  # ~10 s on an idle 2-core mac
     assert [(p.op, p.ranks) for p in points] == [("all_reduce", 2)] * 2 + [("send_recv", 2)] * 2
     assert all(p.time_s > 0 for p in points) and len(ticks) == 4
     assert points[1].nbytes == 1 << 18
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_measure_collectives_in_concurrent_halves_on_four_gloo_ranks():
+    """4 gloo ranks, the quick plan's single world size: the ops also in the two 2-rank groups at once (points of
+    2 ranks, send_recv only there); a plan that measures 2 ranks by itself keeps its own 2-rank points."""
+    from runtime.measure.collectives import halves_measured, measure_collectives
+    from runtime.measure.sweep import CalibrationPlan
+
+    plan = CalibrationPlan(
+        matmul_shapes=(), dtypes=(), membound_bytes=(), collective_bytes=(1 << 18,), world_sizes=(4,),
+        ops=("all_gather", "send_recv"), collective_iters=2, collective_blocks=1,
+    )  # fmt: skip
+    assert halves_measured(plan, backend="gloo", world=4) == 2
+    assert halves_measured(plan, backend="nccl", world=4) == 0
+    assert halves_measured(dataclasses.replace(plan, world_sizes=(2, 3, 4)), backend="gloo", world=4) == 0
+    assert halves_measured(plan, backend="gloo", world=2) == 0
+    ticks = []
+    points = measure_collectives(plan, backend="gloo", world=4, progress=lambda: ticks.append(1))
+    assert [(p.op, p.ranks) for p in points] == [("all_gather", 4), ("all_gather", 2), ("send_recv", 2)]
+    assert all(p.time_s > 0 for p in points) and len(ticks) == 3
 
 
 def test_per_rank_count_fits_capture_oversubscription():
