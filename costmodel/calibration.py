@@ -86,6 +86,12 @@ class DispatchPoint:
     bwd_s: float
     tensor_parallel: bool = False
     """Measured with DTensor tensor parallelism applied (its dispatch, on a 1-rank mesh)."""
+    sequence_parallel: bool = False
+    """With ``tensor_parallel``: sequence parallelism too (``SequenceParallel`` norms, activations sharded over the
+    sequence between the tensor-parallel modules: DTensor's redistributes and its dispatch of the norms)."""
+    fsdp: bool = False
+    """Measured with FSDP2 ``fully_shard`` on every layer and the root (on a 1-rank mesh): its hooks, copy-in /
+    copy-out and gloo calls without a peer."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -102,6 +108,14 @@ class DispatchFit:
     tp_layer_bwd_s: float = 0.0
     tp_model_fwd_s: float = 0.0
     tp_model_bwd_s: float = 0.0
+    sp_layer_fwd_s: float = 0.0
+    """The four under tensor and sequence parallelism (0: not measured; the tensor-parallel ones are used)."""
+    sp_layer_bwd_s: float = 0.0
+    sp_model_fwd_s: float = 0.0
+    sp_model_bwd_s: float = 0.0
+    fsdp_unit_s: float = 0.0
+    """Framework seconds FSDP2 adds per wrapped unit (each layer and the root) and micro-batch pass (forward +
+    backward): ``fit_dispatch`` over the ``fsdp`` points less the plain ones (0: not measured)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -283,9 +297,10 @@ def _fit_pass(points: list[DispatchPoint]) -> tuple[float, float, float, float]:
 def fit_dispatch(points: tuple[DispatchPoint, ...] | list[DispatchPoint]) -> DispatchFit:
     """Per pass ``t = model + layers * layer`` over points of >= 2 distinct layer counts, plain and (when
     measured) under tensor parallelism; negative parts (noise) clip to 0."""
-    plain = [p for p in points if not p.tensor_parallel]
-    tp = [p for p in points if p.tensor_parallel]
-    for group, what in ((plain, "plain"), (tp, "tensor-parallel")):
+    plain = [p for p in points if not p.tensor_parallel and not p.fsdp]
+    tp = [p for p in points if p.tensor_parallel and not p.sequence_parallel and not p.fsdp]
+    sp = [p for p in points if p.tensor_parallel and p.sequence_parallel and not p.fsdp]
+    for group, what in ((plain, "plain"), (tp, "tensor-parallel"), (sp, "sequence-parallel")):
         counts = sorted({p.layers for p in group})
         if group and len(counts) < 2:
             raise ProfileError(f"dispatch ({what}) needs points at >= 2 layer counts to separate per-layer time, "
@@ -294,8 +309,22 @@ def fit_dispatch(points: tuple[DispatchPoint, ...] | list[DispatchPoint]) -> Dis
         raise ProfileError("dispatch has no plain (not tensor-parallel) points; re-run `autopar calibrate`")
     lf, lb, mf, mb = _fit_pass(plain)
     tlf, tlb, tmf, tmb = _fit_pass(tp) if tp else (0.0, 0.0, 0.0, 0.0)
+    slf, slb, smf, smb = _fit_pass(sp) if sp else (0.0, 0.0, 0.0, 0.0)
     return DispatchFit(layer_fwd_s=lf, layer_bwd_s=lb, model_fwd_s=mf, model_bwd_s=mb,
-                       tp_layer_fwd_s=tlf, tp_layer_bwd_s=tlb, tp_model_fwd_s=tmf, tp_model_bwd_s=tmb)
+                       tp_layer_fwd_s=tlf, tp_layer_bwd_s=tlb, tp_model_fwd_s=tmf, tp_model_bwd_s=tmb,
+                       sp_layer_fwd_s=slf, sp_layer_bwd_s=slb, sp_model_fwd_s=smf, sp_model_bwd_s=smb,
+                       fsdp_unit_s=fit_fsdp_unit(plain, [p for p in points if p.fsdp]))
+
+
+def fit_fsdp_unit(plain: list[DispatchPoint], fsdp: list[DispatchPoint]) -> float:
+    """Seconds per FSDP2 unit and micro-batch pass: least squares of ``(fsdp - plain)`` forward + backward at
+    each layer count ``n`` against its ``n + 1`` units (every layer and the root), through the origin; 0 without
+    ``fsdp`` points, clipped at 0 (noise)."""
+    base = {p.layers: p.fwd_s + p.bwd_s for p in plain}
+    pairs = [(p.layers + 1.0, p.fwd_s + p.bwd_s - base[p.layers]) for p in fsdp if p.layers in base]
+    if not pairs:
+        return 0.0
+    return max(0.0, sum(u * d for u, d in pairs) / sum(u * u for u, _ in pairs))
 
 
 def shared_by(cal: Calibration, ranks: int) -> Calibration:

@@ -133,7 +133,7 @@ def transformer_cost(w: TransformerDims, c: LayerCtx, layer: LayerWork) -> Layer
     t_elem = op_time_s(flops=0.0, bytes_moved=elem_bytes, op_class="elementwise", device=c.device,
                        calibration=c.cluster.calibration)
     d_f, d_b = dispatch_time_s(part="layer", device=c.device, calibration=c.cluster.calibration,
-                               tensor_parallel=c.tp > 1)
+                               tensor_parallel=c.tp > 1, sequence_parallel=c.sp)
     fwd = t_gemm + t_attn_f + t_elem + d_f
     bwd = 2.0 * t_gemm + t_attn_b + 2.0 * t_elem + d_b
     comm_f: dict[str, float] = {}
@@ -198,7 +198,8 @@ def head_cost(w: TransformerDims, c: LayerCtx, layer: LayerWork) -> LayerCost:
     t_mm = flops * per_flop
     logits = tokens * vt * 4.0 * 3  # fp32 softmax / cross-entropy: read, write, read again
     t_loss = op_time_s(flops=0.0, bytes_moved=logits, op_class="reduction", device=c.device, calibration=cal)
-    d_f, d_b = dispatch_time_s(part="model", device=c.device, calibration=cal, tensor_parallel=c.tp > 1)
+    d_f, d_b = dispatch_time_s(part="model", device=c.device, calibration=cal, tensor_parallel=c.tp > 1,
+                               sequence_parallel=c.sp)
     comm: dict[str, float] = {}
     if c.tp > 1 and c.sp:  # gather the sequence-sharded hidden states before the head
         cc = collective_time_s("all_gather", tokens * w.hidden * w.dtype_bytes, Group(size=c.tp, stride=1),

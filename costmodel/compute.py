@@ -174,20 +174,33 @@ def op_time_s(
 
 
 def dispatch_time_s(
-    *, part: str, device: Accelerator, calibration: Calibration | None = None, tensor_parallel: bool = False
+    *, part: str, device: Accelerator, calibration: Calibration | None = None, tensor_parallel: bool = False,
+    sequence_parallel: bool = False,
 ) -> tuple[float, float]:
     """(forward, backward) framework seconds of one micro-batch pass of a decoder ``layer`` or of the ``model``'s
-    non-repeating part (embedding, final norm, head, loss), under DTensor ``tensor_parallel`` when measured so:
-    the calibration's ``DispatchFit``, else zero."""
+    non-repeating part (embedding, final norm, head, loss), under DTensor ``tensor_parallel`` (and
+    ``sequence_parallel``) when measured so: the calibration's ``DispatchFit``, else zero."""
     if part not in ("layer", "model"):
         raise ConfigError(f"dispatch part {part!r}; use 'layer' or 'model'")
     if calibration is None or calibration.accelerator != device.name or calibration.dispatch_fit is None:
         return 0.0, 0.0
     fit = calibration.dispatch_fit
     tp = tensor_parallel and fit.tp_layer_fwd_s + fit.tp_layer_bwd_s > 0
+    if tensor_parallel and sequence_parallel and fit.sp_layer_fwd_s + fit.sp_layer_bwd_s > 0:
+        return (fit.sp_layer_fwd_s, fit.sp_layer_bwd_s) if part == "layer" else (fit.sp_model_fwd_s, fit.sp_model_bwd_s)
     if part == "layer":
         return (fit.tp_layer_fwd_s, fit.tp_layer_bwd_s) if tp else (fit.layer_fwd_s, fit.layer_bwd_s)
     return (fit.tp_model_fwd_s, fit.tp_model_bwd_s) if tp else (fit.model_fwd_s, fit.model_bwd_s)
+
+
+def fsdp_unit_time_s(*, device: Accelerator, calibration: Calibration | None = None) -> float:
+    """Framework seconds FSDP2 adds per wrapped unit and micro-batch pass (its pre / post forward and backward
+    hooks, the copy-in before and copy-out after each all-gather, the reduce-scatter's chunk-cat and the gloo calls
+    themselves): the calibration's ``DispatchFit.fsdp_unit_s`` (``runtime.measure.compute._fsdp_fixture``), else
+    zero (accelerators: the host runs ahead of the device)."""
+    if calibration is None or calibration.accelerator != device.name or calibration.dispatch_fit is None:
+        return 0.0
+    return calibration.dispatch_fit.fsdp_unit_s
 
 
 def matmul_time_s(

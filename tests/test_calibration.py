@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -144,6 +145,28 @@ def test_measure_collectives_on_two_gloo_ranks():  # ~10 s on an idle 2-core mac
     assert points[1].nbytes == 1 << 18
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_measure_collectives_in_concurrent_halves_on_four_gloo_ranks():
+    """4 gloo ranks, the quick plan's single world size: the ops also in the two 2-rank groups at once (points of
+    2 ranks, send_recv only there); a plan that measures 2 ranks by itself keeps its own 2-rank points."""
+    from runtime.measure.collectives import halves_measured, measure_collectives
+    from runtime.measure.sweep import CalibrationPlan
+
+    plan = CalibrationPlan(
+        matmul_shapes=(), dtypes=(), membound_bytes=(), collective_bytes=(1 << 18,), world_sizes=(4,),
+        ops=("all_gather", "send_recv"), collective_iters=2, collective_blocks=1,
+    )  # fmt: skip
+    assert halves_measured(plan, backend="gloo", world=4) == 2
+    assert halves_measured(plan, backend="nccl", world=4) == 0
+    assert halves_measured(dataclasses.replace(plan, world_sizes=(2, 3, 4)), backend="gloo", world=4) == 0
+    assert halves_measured(plan, backend="gloo", world=2) == 0
+    ticks = []
+    points = measure_collectives(plan, backend="gloo", world=4, progress=lambda: ticks.append(1))
+    assert [(p.op, p.ranks) for p in points] == [("all_gather", 4), ("all_gather", 2), ("send_recv", 2)]
+    assert all(p.time_s > 0 for p in points) and len(ticks) == 3
+
+
 def test_per_rank_count_fits_capture_oversubscription():
     # 4 ranks on a 2-core machine: every step costs 3x the latency of 2 ranks; the all-sizes ring fit cannot say that
     points = []
@@ -279,3 +302,97 @@ def test_busy_cpu_ranks_do_not_hide_gradient_traffic(tmp_path):
         cluster = resolve_cluster("local", nodes=1, gpus_per_node=4, profile_path=path)
         exposed[cores] = comm(estimate_step(w, cfg, cluster))
     assert exposed[2] > exposed[0] > 0
+
+
+def test_pipeline_bubble_runs_on_the_cores_idle_stages_leave(tmp_path):
+    """4 ranks on 2 recorded cores, pp2 x dp2: in the fill and drain half the ranks wait and the busy half gets a
+    whole core each, so the bubble takes half its all-busy time (``costmodel.step.bubble_rate_factor``); with
+    the cores not recorded (accelerators) or enough of them, the bubble is the schedule's own."""
+    import dataclasses
+
+    from costmodel.analytic import llama_workload
+    from costmodel.profiles import make_cluster
+    from costmodel.step import ParallelConfig, bubble_rate_factor, estimate_step
+
+    w = llama_workload(layers=4, hidden=256, ffn_hidden=512, heads=4, kv_heads=4, vocab=1024, seq=64)
+    cfg = ParallelConfig(pp=2, dp=2, microbatch=1, global_batch=4, schedule="1f1b")
+    got = {}
+    for cores in (2, 0, 8):
+        cal = dataclasses.replace(_synthetic(), cpu_cores=cores, concurrent_ranks=4)
+        cluster = resolve_cluster("local", nodes=1, gpus_per_node=4,
+                                  profile_path=save_calibration(cal, tmp_path / f"cal{cores}.json"))
+        got[cores] = (bubble_rate_factor(cluster, 2), estimate_step(w, cfg, cluster).breakdown_s["bubble"])
+    assert got[2][0] == pytest.approx(0.5) and got[0][0] == 1.0 and got[8][0] == 1.0
+    assert got[2][1] == pytest.approx(0.5 * got[0][1], rel=1e-6) and got[8][1] == pytest.approx(got[0][1], rel=1e-6)
+    four = make_cluster("local", 1, gpus_per_node=4,
+                        calibration=dataclasses.replace(_synthetic(), cpu_cores=2, concurrent_ranks=4))
+    # pp=4 on 4 ranks, 2 cores: slots with 1, 2, 3 busy ranks run at 2x, 2x, 1.5x the all-busy rate
+    assert bubble_rate_factor(four, 4) == pytest.approx((0.5 + 0.5 + 0.75) / 3)
+
+
+def _fsdp_points(unit_s=5e-3):
+    """``_dispatch_points`` plus FSDP2 points: the plain time and ``unit_s`` per unit (n layers and the root),
+    split 1:2 over forward and backward."""
+    from costmodel.calibration import DispatchPoint
+
+    plain = [p for p in _dispatch_points() if not p.tensor_parallel]
+    return _dispatch_points() + tuple(
+        DispatchPoint(layers=p.layers, fwd_s=p.fwd_s + (p.layers + 1) * unit_s / 3,
+                      bwd_s=p.bwd_s + (p.layers + 1) * unit_s * 2 / 3, fsdp=True) for p in plain)
+
+
+def test_fsdp_unit_time_is_fitted_and_priced_per_unit_and_microbatch(tmp_path):
+    """The FSDP2 points' excess over the plain ones is ``fsdp_unit_s`` per unit (``fit_fsdp_unit``); the plain
+    fit ignores them; a ZeRO-3 step on CPU ranks pays it per unit (3 layers and the root) and micro-batch, a
+    ZeRO-0 (DDP) step not at all; a calibration file round-trips it."""
+    from costmodel.analytic import llama_workload
+    from costmodel.calibration import fit_dispatch
+    from costmodel.step import ParallelConfig, estimate_step
+
+    fit = fit_dispatch(_fsdp_points())
+    assert fit.fsdp_unit_s == pytest.approx(5e-3)
+    assert (fit.layer_fwd_s, fit.layer_bwd_s, fit.model_fwd_s, fit.model_bwd_s) == pytest.approx((1e-3, 2e-3, 3e-3, 1e-3))
+    assert fit_dispatch(_dispatch_points()).fsdp_unit_s == 0.0
+    base = _synthetic()
+    cals = {}
+    for name, pts in (("with", _fsdp_points()), ("without", _dispatch_points())):
+        cal = build_calibration(device_name=base.device_name, accelerator=base.accelerator, date=base.date,
+                                backend=base.backend, memory_gb=base.memory_gb, matmul=base.matmul,
+                                membound=base.membound, collectives=base.collectives, dispatch=pts)
+        cals[name] = save_calibration(cal, tmp_path / f"{name}.json")
+        assert load_calibration(cals[name]) == cal
+    w = llama_workload(layers=3, hidden=256, ffn_hidden=512, heads=4, kv_heads=4, vocab=1024, seq=64)
+    for zero, extra in ((3, 4 * 2 * 5e-3), (2, 4 * 2 * 5e-3), (0, 0.0)):
+        cfg = ParallelConfig(dp=2, microbatch=1, global_batch=4, zero_stage=zero)  # 2 micro-batches per rank
+        t = {name: estimate_step(w, cfg, resolve_cluster("local", nodes=1, gpus_per_node=2, profile_path=path))
+             for name, path in cals.items()}
+        assert t["with"].step_time_s - t["without"].step_time_s == pytest.approx(extra, rel=1e-6, abs=1e-12)
+
+
+def test_sequence_parallel_dispatch_has_its_own_fit():
+    """Points measured under tensor + sequence parallelism fit their own per-layer and fixed times; a layer under
+    sp prices them, one under tp alone the tensor-parallel ones, and a calibration without sp points falls back
+    to the tensor-parallel fit."""
+    from costmodel.calibration import DispatchPoint, fit_dispatch
+    from costmodel.compute import dispatch_time_s
+    from costmodel.profiles import make_cluster
+
+    sp = tuple(DispatchPoint(layers=n, fwd_s=7e-3 + n * 5e-3, bwd_s=3e-3 + n * 8e-3, tensor_parallel=True,
+                             sequence_parallel=True) for n in (1, 6))
+    fit = fit_dispatch(_dispatch_points() + sp)
+    assert (fit.sp_layer_fwd_s, fit.sp_layer_bwd_s, fit.sp_model_fwd_s, fit.sp_model_bwd_s) == pytest.approx(
+        (5e-3, 8e-3, 7e-3, 3e-3))
+    assert (fit.tp_layer_fwd_s, fit.tp_layer_bwd_s) == pytest.approx((4e-3, 6e-3))  # sp points kept out
+    with_sp, without = _with_dispatch(), None
+    base = _synthetic()
+    with_sp = build_calibration(device_name=base.device_name, accelerator=base.accelerator, date=base.date,
+                                backend=base.backend, memory_gb=base.memory_gb, matmul=base.matmul,
+                                membound=base.membound, collectives=base.collectives, dispatch=_dispatch_points() + sp)
+    without = _with_dispatch()
+    cpu = make_cluster("local", 1, gpus_per_node=2, calibration=with_sp).gpu
+    kw = dict(part="layer", device=cpu, tensor_parallel=True)
+    assert dispatch_time_s(calibration=with_sp, sequence_parallel=True, **kw) == pytest.approx((5e-3, 8e-3))
+    assert dispatch_time_s(calibration=with_sp, **kw) == pytest.approx((4e-3, 6e-3))
+    assert dispatch_time_s(calibration=without, sequence_parallel=True, **kw) == pytest.approx((4e-3, 6e-3))
+    assert dispatch_time_s(part="model", device=cpu, calibration=with_sp, tensor_parallel=True,
+                           sequence_parallel=True) == pytest.approx((7e-3, 3e-3))

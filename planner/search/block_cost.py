@@ -195,7 +195,8 @@ class GraphCoster:
         d_f = d_b = 0.0
         if layer.kind != "embedding":  # framework time per pass (CPU calibrations; zero on GPUs)
             part = "model" if layer.kind == "head" else "layer"
-            d_f, d_b = dispatch_time_s(part=part, device=ctx.device, calibration=cal, tensor_parallel=ctx.tp > 1)
+            d_f, d_b = dispatch_time_s(part=part, device=ctx.device, calibration=cal, tensor_parallel=ctx.tp > 1,
+                                       sequence_parallel=ctx.sp)
         rec = s.recompute_s + (d_f if ctx.recompute == "full" else 0.0)
         act, full = s.activation_bytes, s.full_activation_bytes
         working = full - act if ctx.recompute != "none" else 0.0

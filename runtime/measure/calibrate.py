@@ -51,9 +51,11 @@ Progress = Callable[[int, int], None]
 
 def _points(plan: CalibrationPlan, *, device: str, dispatch: bool) -> int:
     """How many points ``run_calibration`` measures (for its progress)."""
-    n_coll = sum(
-        len(plan.collective_bytes) * sum(1 for op in plan.ops if op != "send_recv" or w == 2) for w in plan.world_sizes
-    )
+    from runtime.measure.collectives import halves_measured
+
+    backend = "gloo" if device == "cpu" else "nccl"
+    sizes = [n for w in plan.world_sizes for n in (w, halves_measured(plan, backend=backend, world=w)) if n]
+    n_coll = sum(len(plan.collective_bytes) * sum(1 for op in plan.ops if op != "send_recv" or n == 2) for n in sizes)
     n_matmul = sum(len(matmul_shapes(plan, d, device)) for d in plan.dtypes)
     return n_matmul + len(plan.membound_bytes) + n_coll + (1 if dispatch else 0)
 
