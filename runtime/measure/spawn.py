@@ -30,9 +30,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from costmodel.errors import AutoparError
+from runtime.failures import FAILURE_GRACE_S
 
-GRACE_S = 5.0
-"""How long the other ranks get to report once one has failed."""
+GRACE_S = FAILURE_GRACE_S + 10.0
+"""How long the other ranks get to report once one has failed: longer than a survivor's own wait for its peers to
+check in (``runtime.failures.FAILURE_GRACE_S``) plus noticing its collective failed, so the survivor's error naming
+the dead rank and the step arrives before it is terminated (at 5 s each, a loaded machine lost that race)."""
 
 
 class RankError(AutoparError):
