@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import re
 
 import pytest
 
@@ -88,6 +89,12 @@ def test_row_error_is_relative_to_measured():
     row = cmd._row(gpu, ms)
     assert row["predicted_tensor_gb"] == pytest.approx(0.5) and row["memory_error"] == pytest.approx(0.0)
     assert row["predicted_gb"] == pytest.approx(0.8)
+    # plans run in turns count no live bytes: memory is not measured, and the table says so rather than 0.000
+    unmeasured = [dataclasses.replace(m, peak_live_bytes=0, live_bytes={}) for m in ms]
+    row = cmd._row(plan, unmeasured)
+    assert row["measured_gb"] is None and row["memory_error"] is None
+    line = cmd._format([row], header=False)
+    assert "0.000" not in line and re.search(r" 0\.500 +- +- +0\.300 ", line), line  # pred GB, meas GB, mem err, RSS
 
 
 TINY = "llama:layers=2,hidden=64,ffn=128,heads=2,kv_heads=2,vocab=128,seq=16"

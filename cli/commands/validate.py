@@ -231,7 +231,7 @@ def _row(plan, got) -> dict:
     ``fastest_s`` the fastest. ``measured_gb``: the fullest rank's peak live tensor bytes (the memory the plan's
     ``memory_gb_per_device`` describes less its allocator reserve, the CUDA context and fragmentation margin
     that live tensors and ``torch.cuda.max_memory_allocated`` do not count: ``predicted_tensor_gb``; zero on CPU
-    ranks), ``memory_error`` that prediction's error relative to it."""
+    ranks; None where not measured, as in turns), ``memory_error`` that prediction's error relative to it."""
     import statistics
 
     from runtime.measure.validate import step_times_s
@@ -240,7 +240,8 @@ def _row(plan, got) -> dict:
     measured_s = statistics.median(steps)
     fullest = max(got, key=lambda m: m.peak_live_bytes)
     # the largest peak of live tensor bytes over ranks (on CUDA: torch.cuda.max_memory_allocated where larger)
-    measured_gb = max(max(m.peak_live_bytes, m.cuda_max_allocated_bytes) for m in got) / 1e9
+    # None where memory was not measured (plans run in turns count no live bytes)
+    measured_gb = max(max(m.peak_live_bytes, m.cuda_max_allocated_bytes) for m in got) / 1e9 or None
     predicted_s = plan.prediction.step_time_s
     tensors_gb = plan.prediction.memory_gb_per_device - plan.prediction.memory_breakdown_gb.get("allocator_reserve", 0.0)
     return {
@@ -273,7 +274,8 @@ def _format(rows: list[dict], *, header: bool) -> str:
         ranks = " ".join(f"{t:.3f}" for t in r["per_rank_s"])
         own = f"{r['own_s']:>7.3f}" if "own_s" in r else f"{'-':>7}"
         mem_err = "-" if r["memory_error"] is None else f"{100 * r['memory_error']:+.1f}%"
+        meas_gb = "-" if r["measured_gb"] is None else f"{r['measured_gb']:.3f}"
         lines.append(f"{r['plan']:<36} {r['predicted_s']:>8.3f} {r['measured_s']:>8.3f} {100 * r['error']:>+6.1f}% "
-                     f"{r['fastest_s']:>8.3f} {own} {r['predicted_tensor_gb']:>8.3f} {r['measured_gb']:>8.3f} {mem_err:>7} "
+                     f"{r['fastest_s']:>8.3f} {own} {r['predicted_tensor_gb']:>8.3f} {meas_gb:>8} {mem_err:>7} "
                      f"{r['peak_rss_gb']:>7.3f}  {ranks}")
     return "\n".join(lines)
