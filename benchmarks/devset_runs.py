@@ -1,9 +1,10 @@
 """How ``benchmarks/fidelity.py`` prices each development-set case: target, model, cluster and configuration.
 
 ``dev_run(case)`` turns a ``benchmarks.devset.DevCase`` into a ``DevRun``: the execution target, the model spec
-(a preset where its dimensions equal the case's config JSON, else ``benchmarks/data/models/<model>.json``), the
-node type and shape of the cluster, the ``ParallelConfig`` and the assumptions the published row leaves open
-(one rule for every case, listed in ``ASSUMPTIONS``), or ``skip``: why the case cannot be priced.
+(a preset where its dimensions equal the case's config JSON, the inline ``gpt:`` spec for a GPT-2-layout config,
+else ``benchmarks/data/models/<model>.json``), the node type and shape of the cluster, the ``ParallelConfig`` and
+the assumptions the published row leaves open (one rule for every case, listed in ``ASSUMPTIONS``), or ``skip``:
+why the case cannot be priced.
 """
 
 from __future__ import annotations
@@ -83,7 +84,16 @@ def precision_of(c: DevCase) -> str:
 
 
 def model_spec(c: DevCase) -> str:
-    """A preset whose dimensions equal the config JSON's, else the config JSON's path."""
+    """A preset whose dimensions equal the config JSON's; else, for a GPT-2-layout config (Megatron-Core's GPT:
+    learned positions, LayerNorm, GeLU, biases, tied embeddings), the inline ``gpt:`` spec of its dimensions;
+    else the config JSON's path.
+
+    The GPT rows are built as the ``gpt3-175b`` preset is (``transformers.OPTForCausalLM``, every projection an
+    ``nn.Linear``), not as ``GPT2LMHeadModel``: Megatron shards its projections column- / row-wise, while
+    GPT-2's ``Conv1D`` has no tensor-parallel strategy in autopar's space, so a GPT2 build is priced replicated
+    over tp (NeMo's GPT3-20B at tp=2 was priced at 0.55x its published throughput)."""
+    import json
+
     from planner.models import model_dims
 
     path = str(c.model_config)
@@ -92,6 +102,9 @@ def model_spec(c: DevCase) -> str:
     for name in PRESETS:
         if key(model_dims(name, seq=c.seq_len)) == key(mine):
             return name
+    if json.loads(c.model_config.read_text()).get("model_type") == "gpt2":
+        return (f"gpt:layers={mine.layers},hidden={mine.hidden},heads={mine.heads},vocab={mine.vocab},"
+                f"seq={mine.seq},ffn={mine.ffn_hidden}")
     return path
 
 

@@ -242,6 +242,25 @@ def test_plan_estimate_and_fidelity_price_a_case_identically():
     assert abs(other.step_time_s / est.step_time_s - 1) > 0.01
 
 
+def test_gpt_layout_rows_are_priced_with_tensor_parallel_projections():
+    """NeMo's GPT3-20B (a GPT-2-layout config, tp=2) is built as the gpt3-175b preset is, with nn.Linear
+    projections that tp and sequence parallelism shard as Megatron does: GPT2LMHeadModel's Conv1D has no
+    tensor-parallel strategy, and the row was priced replicated over tp without sequence parallelism (-45%)."""
+    from benchmarks.devset import load_devset
+    from benchmarks.devset_runs import dev_run, price_devset
+    from planner.models import model_dims
+
+    cases = load_devset()
+    case = next(c for c in cases if c.id == "nemo-L15")
+    run = dev_run(case, cases)
+    assert run.spec.startswith("gpt:") and run.config.tp == 2
+    key = lambda d: (d.layers, d.hidden, d.heads, d.ffn_hidden, d.vocab, d.seq, d.tied_embeddings)  # noqa: E731
+    assert key(model_dims(run.spec)) == key(model_dims(str(case.model_config), seq=case.seq_len))
+    (row,) = price_devset([case])
+    assert " sp " in f" {row['config']} " and "no sequence parallelism" not in row["assumption"], row
+    assert abs(row["error"]) < 0.12, row  # published 5,851 tokens/s/GPU
+
+
 def test_the_search_never_proposes_what_the_target_refuses():
     from costmodel.analytic import llama_workload
     from costmodel.profiles import make_cluster
