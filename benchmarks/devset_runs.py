@@ -9,6 +9,7 @@ why the case cannot be priced.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 
 from benchmarks.devset import DevCase, load_devset
@@ -92,8 +93,6 @@ def model_spec(c: DevCase) -> str:
     ``nn.Linear``), not as ``GPT2LMHeadModel``: Megatron shards its projections column- / row-wise, while
     GPT-2's ``Conv1D`` has no tensor-parallel strategy in autopar's space, so a GPT2 build is priced replicated
     over tp (NeMo's GPT3-20B at tp=2 was priced at 0.55x its published throughput)."""
-    import json
-
     from planner.models import model_dims
 
     path = str(c.model_config)
