@@ -69,11 +69,13 @@ class StepConstants:
     - ``expert_gemm_host_s``: host seconds to issue one expert's GEMM of a grouped linear (per local expert,
       grouped linear and pass): the experts op of a pass takes at least local experts x GEMMs x this (a dropless
       MoE layer syncs the host on its token counts, so the host cannot run ahead of it); 0: a single grouped
-      kernel, never host-bound.
+      kernel, never host-bound (CUDA graphs replay the whole step: nothing is issued from the host).
     - ``expert_dispatch_saved``: how many (rows, hidden) tensors of the dispatched (token, expert) rows the
       target's expert-parallel forward keeps for the backward beyond what the model's own experts keep (the
       traced graph): tensors of one all-to-all's size (``LayerOp.dispatch_bytes``) per MoE layer and micro-batch
       on an ep rank; 0: the experts run as traced.
+    - ``fp8_attention``: the fused attention kernels run in the plan's fp8 precision (Transformer Engine's FP8
+      dot-product attention: ``--fp8-dot-product-attention``) at that GEMM dtype's rate; False: in bf16.
     - ``softmax_bytes`` per attention score of unfused attention (scaled-masked softmax + dropout).
     - ``elementwise_replicated_bytes`` / ``elementwise_ffn_bytes``: norms, dropout, residuals / bias + activation
       (the closed-form oracle; a traced block has its own ops).
@@ -97,6 +99,9 @@ class StepConstants:
       a rank's window is its whole micro-batch (forward + backward) rather than its backward.
     - ``tp_comm_exposed``: fraction of a sequence-parallel tp all-gather / reduce-scatter left on the critical
       path (1: none hidden; GEMM-collective overlap hides the rest).
+    - ``ep_comm_exposed``: fraction of the expert-parallel token all-to-alls (dispatch and combine) left on the
+      critical path (1: none hidden; Megatron's ``--overlap-moe-expert-parallel-comm`` runs one micro-batch's
+      all-to-alls behind another's compute).
     - ``last_bucket_bytes``: gradient bucket reduced after the backward ends, never overlapped.
     - ``zero3_flat_nic``: ZeRO-3 collectives across nodes run as one flat ring at each GPU's NIC rate.
     - ``zero3_passes_recompute``: a recomputed layer gathers its parameters again (four passes, not three).
@@ -136,6 +141,7 @@ class StepConstants:
     expert_gemm_efficiency: float
     expert_gemm_host_s: float
     expert_dispatch_saved: float
+    fp8_attention: bool
     softmax_bytes: float
     elementwise_replicated_bytes: float
     elementwise_ffn_bytes: float
@@ -146,6 +152,7 @@ class StepConstants:
     overlap_slowdown: float
     overlap_param_gather: bool
     tp_comm_exposed: float
+    ep_comm_exposed: float
     last_bucket_bytes: float
     zero3_flat_nic: bool
     zero3_passes_recompute: bool

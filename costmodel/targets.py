@@ -52,13 +52,12 @@ FACTS: dict[str, type] = {
 CONSTANT_TABLES: dict[str, dict[str, type]] = {
     "kernels": {"sustained_compute": float, "tp_fused_input_projections": bool, "fused_memory_bound": bool,
                 "selective_recompute": str, "expert_gemm_efficiency": float, "expert_gemm_host_s": float,
-                "expert_dispatch_saved": float,
-                "softmax_bytes": float,
+                "expert_dispatch_saved": float, "fp8_attention": bool, "softmax_bytes": float,
                 "elementwise_replicated_bytes": float, "elementwise_ffn_bytes": float,
                 "optimizer_bytes_per_param": float, "loss_bytes_per_logit": float,
                 "vocab_parallel_loss_bytes_per_logit": float, "gradients_freed_between_steps": bool},
     "overlap": {"overlap_slowdown": float, "overlap_param_gather": bool, "tp_comm_exposed": float,
-                "last_bucket_bytes": float, "zero3_flat_nic": bool, "zero3_passes_recompute": bool,
+                "ep_comm_exposed": float, "last_bucket_bytes": float, "zero3_flat_nic": bool, "zero3_passes_recompute": bool,
                 "zero3_collectives_per_layer": int, "zero2_reduce_per_microbatch": bool,
                 "zero12_per_unit": bool, "first_bucket_bytes": float},
     "pipeline": {"p2p_boundary": str, "recv_buffers_per_microbatch": bool, "stage_outputs_kept": bool},
@@ -173,12 +172,17 @@ class MemoryMode:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Option:
-    """A named way of running the target (``[options.<name>]``): constants that differ from the file's."""
+    """A named way of running the target (``[options.<name>]``): constants that differ from the file's, and the
+    framework flags that turn it on (``megatron_args``: what ``autopar export --to megatron`` adds for a plan
+    priced with the option; "" where the target's own command line has none)."""
 
     name: str
     description: str
     source: str
     constants: tuple[tuple[str, Any], ...]
+    megatron_args: str = ""
+    cannot_run: tuple[Rule, ...] = ()
+    """What the target cannot run with this option on (``[[options.<name>.cannot_run]]``), added to its own."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -286,14 +290,15 @@ class Target:
     def with_options(self, *names: str) -> "Target":
         """This target with ``names`` applied in order (ProfileError naming the options there are)."""
         known = {o.name: o for o in self.options}
-        constants, applied = self.constants, list(self.applied)
+        constants, applied, rules = self.constants, list(self.applied), self.cannot_run
         for n in names:
             if n not in known:
                 raise ProfileError(f"target {self.name} has no option {n!r}; options: "
                                    f"{', '.join(known) or 'none'}")
             constants = dataclasses.replace(constants, **dict(known[n].constants))
             applied.append(n)
-        return dataclasses.replace(self, constants=constants, applied=tuple(applied))
+            rules += known[n].cannot_run
+        return dataclasses.replace(self, constants=constants, applied=tuple(applied), cannot_run=rules)
 
 
 def _has_rate(gpu: Any, dtype: str) -> bool:
@@ -463,7 +468,7 @@ def _option(name: str, data: Any, path: str) -> Option:
     where = f"options.{name}"
     if not isinstance(data, dict):
         raise ProfileError(f"{path}: [{where}] must be a table")
-    _check_keys(data, ("description", "source", "constants"), path, where)
+    _check_keys(data, ("description", "source", "constants", "megatron_args", "cannot_run"), path, where)
     consts = data.get("constants")
     if not isinstance(consts, dict) or not consts:
         raise ProfileError(f"{path}: [{where}] needs constants = {{ name = value, ... }}")
@@ -471,8 +476,13 @@ def _option(name: str, data: Any, path: str) -> Option:
         if key not in _CONSTANT_TYPES:
             raise ProfileError(f"{path}: [{where}] unknown constant {key!r}; constants: {', '.join(_CONSTANT_TYPES)}")
         consts[key] = _constant(value, _CONSTANT_TYPES[key], path, f"{where}.{key}")
+    args = _string(data, "megatron_args", path, where) if data.get("megatron_args") else ""
+    rules = data.get("cannot_run", [])
+    if not isinstance(rules, list):
+        raise ProfileError(f"{path}: [{where}] cannot_run must be an array of tables ([[{where}.cannot_run]])")
     return Option(name=name, description=_string(data, "description", path, where),
-                  source=_string(data, "source", path, where), constants=tuple(consts.items()))
+                  source=_string(data, "source", path, where), constants=tuple(consts.items()), megatron_args=args,
+                  cannot_run=tuple(_rule(r, path, f"{where}.cannot_run[{i}]") for i, r in enumerate(rules)))
 
 
 def _rule(data: Any, path: str, where: str) -> Rule:

@@ -51,6 +51,7 @@ def megatron_args(plan: Plan, dims: ModelDims) -> tuple[list[str], list[str]]:
     args += megatron_precision_args(plan)
     if _priced_tp_overlap(plan):  # the plan priced Transformer Engine's GEMM / collective overlap
         args.append("--tp-comm-overlap")
+    args += _megatron_option_args(plan, notes)
     sharded = d.dp * d.cp > 1
     if plan.zero_stage in (1, 2):
         args.append("--use-distributed-optimizer")
@@ -77,6 +78,23 @@ def megatron_precision_args(plan: Plan) -> list[str]:
         raise ConfigError(f"precision {plan.precision!r} has no Megatron-LM flags in profiles/targets/megatron.toml; "
                           f"precisions: {', '.join(args)}")
     return args[plan.precision].split()
+
+
+def _megatron_option_args(plan: Plan, notes: list[str]) -> list[str]:
+    """The flags of the target options the plan was priced with (``--target megatron:cuda-graphs:...``:
+    ``[options.<name>] megatron_args``); a note for an applied option that has none."""
+    target = load_target(plan.target)
+    if target.name != "megatron":
+        return []
+    by_name = {o.name: o for o in target.options}
+    args: list[str] = []
+    for name in target.applied:
+        if by_name[name].megatron_args:
+            args += by_name[name].megatron_args.split()
+        else:
+            notes.append(f"the plan was priced with option {name} ({by_name[name].description.split(':')[0]}), "
+                         f"which pretrain_gpt.py has no flag for")
+    return args
 
 
 def _priced_tp_overlap(plan: Plan) -> bool:

@@ -85,6 +85,25 @@ def test_megatron_flags_exist_in_megatron_and_match_the_plan(spec, kw):
     assert ("--overlap-grad-reduce" in f) == (d.dp * d.cp > 1 and plan.zero_stage < 3)
 
 
+def test_megatron_options_the_plan_was_priced_with_become_flags():
+    """A plan priced for ``megatron:cuda-graphs:moe-a2a-overlap:fused-grouped-mlp:fp8-attention`` exports the
+    flags of each option (every one a Megatron-LM argument) and a note for fp8 attention, which has none."""
+    plan, dims = plan_for(MIXTRAL, memory_gb=20.0, tp=2, pp=2, dp=4, ep=4, zero_stage=1, recompute="full")
+    known = {line for line in FLAGS.read_text().split() if line.startswith("--")}
+    base, _ = megatron_args(replace(plan, target="megatron"), dims)
+    spec = "megatron:cuda-graphs:moe-a2a-overlap:fused-grouped-mlp:fp8-attention"
+    args, notes = megatron_args(replace(plan, target=spec), dims)
+    added = [a for a in args if a not in base]
+    assert set(base) <= set(args)
+    f = flag_values(args)
+    assert f["--cuda-graph-impl"] == "local" and f["--cuda-graph-scope"] == "full_iteration"
+    assert {"--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute", "--use-transformer-engine-op-fuser"} <= set(args)
+    assert f["--moe-mlp-glu-interleave-size"] == "32"
+    assert added and not [a for a in added if a.startswith("--") and a not in known]
+    assert [n for n in notes if "fp8-attention" in n and "no flag" in n]
+    assert not [n for n in megatron_args(replace(plan, target="megatron"), dims)[1] if "option" in n]
+
+
 def test_megatron_uneven_cuts_become_a_pipeline_layout():
     plan, dims = plan_for(LLAMA, tp=2, pp=4, dp=2, virtual_stages=2, schedule="interleaved-1f1b",
                           cuts=(3, 1, 2, 2, 2, 2, 2, 2), memory_gb=20.0)

@@ -1,5 +1,7 @@
 """Execution targets (profiles/targets/*.toml through costmodel.targets): refusals, memory modes, file checks."""
 
+from dataclasses import replace
+
 import pytest
 
 from costmodel.errors import ProfileError
@@ -195,7 +197,7 @@ def test_options_override_named_constants_only():
     assert changed == {k for k, _ in sc21.options[0].constants if getattr(base.constants, k) != dict(
         sc21.options[0].constants)[k]}
     assert sc21.constants.tp_comm_exposed == 1.0 and sc21.constants.sustained_compute == 0.85
-    with pytest.raises(ProfileError, match="no option 'x'; options: sc21"):
+    with pytest.raises(ProfileError, match="no option 'x'; options: sc21, cuda-graphs, moe-a2a-overlap"):
         load_target("megatron:x")
 
 
@@ -395,3 +397,50 @@ def test_estimate_cli_prices_for_the_target(capsys):
     assert main(args + ["--target", "megatron", "--precision", "fp8-cs"]) == 0
     m = json.loads(capsys.readouterr().out)
     assert m["config"]["precision"] == "fp8-cs" and m["step_time_s"] != d["step_time_s"]
+
+
+# --- options a framework's recipe turns on, and the hardware they run on ------------------------------------
+
+
+def test_expert_all_to_all_overlap_and_fp8_attention_in_the_cost_context():
+    """``ep_comm_exposed`` scales the expert-parallel all-to-alls and nothing else; ``fp8_attention`` prices
+    fused attention at the fp8 rate (twice bf16 on an H100), only under an fp8 precision."""
+    from costmodel.profiles import make_cluster
+    from planner.search.op_cost import CostOptions, cluster_cost_context
+    from planner.search.strategies import Collective, LayerOp, MeshShape
+
+    cluster = make_cluster("dgx-h100", 1)
+    mesh = MeshShape(tp=2, ep=4)
+    full = cluster_cost_context(cluster, mesh=mesh, cost=CostOptions())
+    half = cluster_cost_context(cluster, mesh=mesh, cost=CostOptions(ep_comm_exposed=0.5))
+    a2a = Collective(kind="all_to_all", nbytes=64e6, axis="ep")
+    tp_ar = Collective(kind="all_reduce", nbytes=64e6, axis="tp")
+    assert half.collective(a2a)[1] == pytest.approx(0.5 * full.collective(a2a)[1]) and full.collective(a2a)[1] > 0
+    assert half.collective(tp_ar) == full.collective(tp_ar)
+    attn = LayerOp(name="attn", kind="attention", op_class="attention")
+    t = {(dt, fa): cluster_cost_context(cluster, mesh=mesh, cost=CostOptions(gemm_dtype=dt, fp8_attention=fa))
+         .op_time_s(attn, None, 1e15, 0.0) for dt in ("bf16", "fp8") for fa in (False, True)}
+    assert t[("fp8", True)] == pytest.approx(0.5 * t[("fp8", False)], rel=1e-3)  # 1978.9 against 989.4 TFLOP/s
+    assert t[("bf16", True)] == t[("bf16", False)] == t[("fp8", False)]
+
+
+def test_options_add_what_their_framework_cannot_run_with_them():
+    """``moe-a2a-overlap`` refuses ep=1 and full recomputation (Megatron-LM's validate_args asserts both),
+    ``fp8-attention`` a bf16 plan; the base target refuses none of them, and a search for a dense model with
+    the overlap on names the refusal instead of finding nothing."""
+    from costmodel.errors import InfeasiblePlanError
+    from costmodel.profiles import make_cluster
+    from planner.search.driver import plan_model
+
+    base, on = load_target("megatron"), load_target("megatron:moe-a2a-overlap:fp8-attention")
+    assert len(on.cannot_run) == len(base.cannot_run) + 3
+    moe = cfg(tp=1, pp=1, dp=8, ep=4, precision="mxfp8")
+    assert on.refusals(moe) == [] == base.refusals(moe)
+    for bad, text in ((replace(moe, ep=1), "needs expert parallelism; this plan has ep=1"),
+                      (replace(moe, recompute="full"), "cannot run with full recomputation"),
+                      (replace(moe, precision="bf16"), "needs an fp8 precision; this plan trains in bf16")):
+        assert [r for r in on.refusals(bad) if text in r] and not base.refusals(bad)
+    dense = "llama:layers=2,hidden=256,ffn=512,heads=4,kv_heads=4,vocab=1024,seq=128"
+    with pytest.raises(InfeasiblePlanError, match="first because --overlap-moe-expert-parallel-comm .* ep=1"):
+        plan_model(dense, make_cluster("dgx-b200", 1), global_batch=16, target="megatron:moe-a2a-overlap",
+                   record_timings=False)

@@ -40,8 +40,9 @@ def add_target_arguments(p: argparse.ArgumentParser, *, auto: bool) -> None:
 
     p.add_argument("--target", default="autopar", metavar="NAME[:OPTION]",
                    help=f"execution target whose kernels, overlaps, memory layout and refusals price the plan: "
-                        f"{', '.join(TARGET_NAMES)} (profiles/targets/NAME.toml; an option such as megatron:sc21 "
-                        "applies a named set of its constants; default autopar)")
+                        f"{', '.join(TARGET_NAMES)} (profiles/targets/NAME.toml; options such as megatron:sc21 or "
+                        "megatron:cuda-graphs:moe-a2a-overlap apply named sets of its constants, in order; "
+                        "default autopar)")
     choices = PRECISIONS + (("auto",) if auto else ())
     p.add_argument("--precision", default="bf16", choices=choices,
                    help="GEMM precision of the linears (default bf16)"

@@ -48,7 +48,8 @@ def cost_options(ctx: LayerCtx) -> CostOptions:
                        flash=ctx.flash, softmax_bytes=k.softmax_bytes, fused_memory_bound=k.fused_memory_bound,
                        gemm_dtype=p.gemm_dtype, cast_bytes=p.cast_bytes_per_element, tp_comm_exposed=k.tp_comm_exposed,
                        selective=k.selective_recompute, expert_gemm_efficiency=k.expert_gemm_efficiency,
-                       expert_dispatch_saved=k.expert_dispatch_saved)
+                       expert_dispatch_saved=k.expert_dispatch_saved, ep_comm_exposed=k.ep_comm_exposed,
+                       fp8_attention=k.fp8_attention)
 
 
 def expert_host_s(ops: Sequence[LayerOp], ctx: LayerCtx) -> tuple[float, float]:

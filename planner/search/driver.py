@@ -96,6 +96,9 @@ class _Ctx:
     ideal_s: float = 0.0
     evaluations: int = 0
     least_infeasible_gb: float = math.inf
+    refused: dict = field(default_factory=dict)
+    """Refusal message -> how many configurations the execution target refused with it first (for the error
+    when it refuses every one)."""
     cache: dict = field(default_factory=dict)
     groups: dict = field(default_factory=dict)
     probes: dict = field(default_factory=dict)
@@ -115,8 +118,10 @@ class _Ctx:
         ``runnable=False`` prices what the target may not run, with ``bound_estimate`` (the bounds' probes:
         layer costs do not depend on the knobs or schedule a target refuses)."""
         cfg = self.config(structure, knobs)
-        if runnable and self.refuse is not None and self.refuse(cfg):
+        why = self.refuse(cfg) if runnable and self.refuse is not None else ()
+        if why:
             log.debug("skip %s %s: the execution target cannot run it", structure.summary(), knobs.summary())
+            self.refused[why[0]] = self.refused.get(why[0], 0) + 1
             return None
         key = (structure, knobs, stage_layers, runnable)
         if key in self.cache:
@@ -600,9 +605,12 @@ def _infeasible_error(ctx: _Ctx, workload: Any, cluster: Any) -> InfeasiblePlanE
     have = ctx.memory_limit_gb
     n = cluster.num_devices
     if not math.isfinite(need):
+        top = max(ctx.refused.items(), key=lambda kv: kv[1], default=None)
+        why = "" if top is None else (f"; the execution target refused {sum(ctx.refused.values())} configuration(s), "
+                                      f"{top[1]} of them first because {top[0]}")
         return InfeasiblePlanError(
             f"the step model accepted no configuration of {workload.name} on {n} devices"
-            + (f" with --fix {ctx.fix}: relax --fix" if ctx.fix else "")
+            + (f" with --fix {ctx.fix}: relax --fix" if ctx.fix else "") + why
         )
     more = int(math.ceil(n * need / have)) if have > 0 else 0
     tried = "ZeRO-3, full recompute, sequence parallel where executable and micro-batch 1 included" if not ctx.fix else \

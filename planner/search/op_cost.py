@@ -68,8 +68,10 @@ def cluster_cost_context(cluster, *, mesh: MeshShape, device=None, dtype: str = 
     ``cast_bytes`` of memory traffic per quantized GEMM input element (the forward input, the backward output
     gradient); norms, pointwise ops and residual adds as fused kernels reading their inputs and writing their
     output once (``fused_memory_bound``); sequence-parallel tp all-gathers / reduce-scatters at
-    ``tp_comm_exposed`` of their time (GEMM-collective overlap); the experts op at ``expert_gemm_efficiency`` of
-    the dense GEMM rate (grouped GEMMs, token permutation).
+    ``tp_comm_exposed`` of their time (GEMM-collective overlap); expert-parallel all-to-alls at ``ep_comm_exposed``
+    of theirs (overlapped with another micro-batch's compute); the experts op at ``expert_gemm_efficiency`` of
+    the dense GEMM rate (grouped GEMMs, token permutation); fused attention at ``gemm_dtype``'s rate when
+    ``fp8_attention``.
 
     Matmuls and attention run at ``sustained_compute`` of the kernel rate (a training step's clocks and SMs
     shared with NCCL: ``costmodel.step_config.StepConstants``). Flash attention computes ``causal_fraction`` of
@@ -81,6 +83,7 @@ def cluster_cost_context(cluster, *, mesh: MeshShape, device=None, dtype: str = 
     groups = {axis: comm.Group(size=size, stride=stride) for axis, (size, stride) in mesh_groups(mesh).items()}
 
     opts = cost or CostOptions()
+    attention_dtype = opts.gemm_dtype if opts.fp8_attention and opts.gemm_dtype == "fp8" else dtype
     if opts.gemm_dtype != "bf16" and not gpu.peak_tflops.get(opts.gemm_dtype):
         raise ConfigError(f"{opts.gemm_dtype} GEMMs need {opts.gemm_dtype} tensor cores; {gpu.name} has "
                           f"{', '.join(sorted(gpu.peak_tflops))}: plan with --precision bf16")
@@ -108,7 +111,7 @@ def cluster_cost_context(cluster, *, mesh: MeshShape, device=None, dtype: str = 
             return t_mm / sustained_compute + t_soft
         if op.op_class == "attention":
             t = compute.op_time_s(flops=flops * causal_fraction, bytes_moved=0.0, op_class="attention", device=gpu,
-                                  dtype=dtype, calibration=calibration)
+                                  dtype=attention_dtype, calibration=calibration)
             return t / sustained_compute
         shape = s.local_mnk(op.mnk, tp=mesh.tp, cp=mesh.cp)
         t = compute.op_time_s(flops=flops, bytes_moved=nbytes, op_class=op.op_class, device=gpu, dtype=dtype,
@@ -137,6 +140,8 @@ def cluster_cost_context(cluster, *, mesh: MeshShape, device=None, dtype: str = 
         cc = comm.collective_time_s(c.kind, c.nbytes, group, cluster, first_rank=first_rank)
         if c.axis == "tp" and mesh.sequence_parallel and c.kind in ("all_gather", "reduce_scatter"):
             return cc.link_kind, cc.time_s * opts.tp_comm_exposed
+        if c.axis == "ep" and c.kind == "all_to_all":
+            return cc.link_kind, cc.time_s * opts.ep_comm_exposed
         return cc.link_kind, cc.time_s
 
     scores = 0.0
@@ -161,6 +166,8 @@ class CostOptions:
     gemm_dtype: str = "bf16"
     cast_bytes: float = 0.0
     tp_comm_exposed: float = 1.0
+    ep_comm_exposed: float = 1.0
+    fp8_attention: bool = False
     selective: str = "attention"
     expert_gemm_efficiency: float = 1.0
     expert_dispatch_saved: float = 0.0
