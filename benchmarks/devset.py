@@ -135,6 +135,25 @@ def load_source(name: str) -> tuple[dict, list[DevCase]]:
     return data["source"], [_case(name, data["source"], r) for r in data["rows"]]
 
 
+RECIPES = "megatron_bridge_recipes"
+"""``benchmarks/data/megatron_bridge_recipes.json``: the Megatron-Bridge performance recipe that ran each
+Megatron-Bridge row, read at the tag of the row's container release (its speed settings: CUDA graphs, MoE
+all-to-all overlap, fused grouped MLP, fp8 attention, recomputation)."""
+
+
+def load_recipes(name: str = RECIPES) -> dict[str, dict]:
+    """{case id: the recipe settings of that row} (``RECIPES``); rows it does not list ran none of them."""
+    path = DATA / f"{name}.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read {path}: {e}") from None
+    rows = data.get("rows")
+    if not isinstance(rows, dict):
+        raise ConfigError(f"{path}: 'rows' must map case ids to recipe settings")
+    return rows
+
+
 def load_devset(sources: tuple[str, ...] = SOURCES) -> list[DevCase]:
     """Every case of the given transcription files, in file order."""
     cases: list[DevCase] = []

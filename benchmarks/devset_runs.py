@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 
-from benchmarks.devset import DevCase, load_devset
+from benchmarks.devset import DevCase, load_devset, load_recipes
 from costmodel.step_config import ParallelConfig
 
 TARGET_OF_SOURCE = {"megatron_bridge_performance": "megatron", "nemo_performance": "megatron",
@@ -41,6 +41,10 @@ ASSUMPTIONS = (
     "Megatron-Bridge (its earlier releases name the same rows FP8-CS) and delayed-scaling fp8 on NeMo 24.07 "
     "(Transformer Engine's default then); 25.09 gives no precision: its plain figures are priced fp8-cs, its "
     "parenthesized block-scaled figures mxfp8 (Blackwell) or fp8-cs (Hopper 128x128 blocks)",
+    "Megatron-Bridge recipe settings (benchmarks/data/megatron_bridge_recipes.json, the recipe of the row at its "
+    "release's tag, where its GPUs, parallel sizes and batches are the row's) as options of the megatron target: "
+    "full-iteration CUDA graphs -> cuda-graphs, moe_a2a_overlap -> moe-a2a-overlap, cutedsl_fused_grouped_mlp -> fused-grouped-mlp, fp8_dot_product_attention (fp8 "
+    "precisions) -> fp8-attention",
     "recomputation: none unless the row names it (torchtitan: selective); the step time is priced whether or "
     "not the plan fits (Megatron-Bridge's FSDP rows offload activations to the CPU, which is not modelled)",
     "measured figure: tokens per second per GPU as printed (a row printing only TFLOP/s: converted with the "
@@ -60,6 +64,13 @@ class DevRun:
     measured_tokens_per_gpu: float | None
     assumption: str
     skip: str | None = None
+    options: tuple[str, ...] = ()
+    """Options of ``target`` the row's recipe ran (``recipe_options``)."""
+
+    @property
+    def target_spec(self) -> str:
+        """``costmodel.targets.load_target``'s spec: the target with its options."""
+        return ":".join((self.target, *self.options))
 
 
 def stage_layers_of(config: ParallelConfig, entries: int, layers: int) -> tuple[int, ...] | None:
@@ -144,7 +155,21 @@ def measured_tokens(c: DevCase, cases: list[DevCase]) -> float | None:
     return c.model_tflops_per_gpu * 1e12 / flops_per_token
 
 
-def dev_run(c: DevCase, cases: list[DevCase]) -> DevRun:
+def recipe_options(recipe: dict | None, precision: str) -> tuple[str, ...]:
+    """The megatron target's options that a Megatron-Bridge recipe's settings turn on (see ``ASSUMPTIONS``)."""
+    if not recipe:
+        return ()
+    scope = recipe.get("cuda_graph_scope")
+    full_graph = recipe.get("cuda_graph_impl") == "full_iteration" or (
+        recipe.get("cuda_graph_impl") == "local" and isinstance(scope, list) and "full_iteration" in scope)
+    on = {"cuda-graphs": full_graph,
+          "moe-a2a-overlap": recipe.get("moe_a2a_overlap") is True,
+          "fused-grouped-mlp": recipe.get("cutedsl_fused_grouped_mlp") is True,
+          "fp8-attention": recipe.get("fp8_dot_product_attention") is True and precision != "bf16"}
+    return tuple(name for name, yes in on.items() if yes)
+
+
+def dev_run(c: DevCase, cases: list[DevCase], recipes: dict[str, dict] | None = None) -> DevRun:
     """How ``c`` is priced (see the module docstring and ``ASSUMPTIONS``)."""
     target = TARGET_OF_SOURCE[c.source]
     dp = c.data_parallel
@@ -155,10 +180,13 @@ def dev_run(c: DevCase, cases: list[DevCase]) -> DevRun:
         else "none"
     v = c.vp or 1
     zero = 3 if (c.fsdp or 0) > 0 else 1
+    recipe = (recipes or {}).get(c.id)
+    matched = recipe is not None and recipe.get("matched") is True  # else what ran is not the recipe at the tag
+    options = recipe_options(recipe, precision) if target == "megatron" and matched else ()
     why = (f"{precision}, ZeRO-{zero}{' sp' if c.tp > 1 else ''}, recompute {recompute}, "
-           f"{nodes} x {per} GPUs")
+           f"{nodes} x {per} GPUs" + (f", recipe: {' '.join(options)}" if options else ""))
     base = dict(case=c, target=target, node=NODE_OF_SYSTEM[c.system], nodes=nodes, gpus_per_node=per,
-                measured_tokens_per_gpu=measured_tokens(c, cases), assumption=why)
+                measured_tokens_per_gpu=measured_tokens(c, cases), assumption=why, options=options)
     if skip is not None:
         return DevRun(spec="", config=None, skip=skip, **base)
     config = ParallelConfig(
@@ -181,7 +209,7 @@ def _row(run: DevRun, est, workload_name: str) -> dict:
         "predicted": pred, "measured": meas, "error": None if meas is None else pred / meas - 1.0,
         "step_time_s": est.step_time_s, "memory_gb": est.memory_gb_per_device, "fits": est.fits,
         "bottleneck": est.bottleneck, "workload": workload_name, "assumption": run.assumption,
-        "config": run.config.summary(),
+        "config": run.config.summary(), "options": list(run.options),
     }
     if c.memory_gib is not None:  # published memory (GiB): the prediction in GiB against it
         mem_gib = est.memory_gb_per_device * 1e9 / 2**30
@@ -226,7 +254,8 @@ def price_devset(cases: list[DevCase] | None = None) -> list[dict]:
     from planner.workload import workload_from_model
 
     cases = load_devset() if cases is None else cases
-    runs = [dev_run(c, cases) for c in cases]
+    recipes = load_recipes()
+    runs = [dev_run(c, cases, recipes) for c in cases]
     workloads: dict[tuple[str, int], object] = {}
     rows: dict[int, dict] = {}
     for i in sorted(range(len(runs)), key=lambda i: (runs[i].spec, runs[i].case.seq_len)):
@@ -247,7 +276,7 @@ def price_devset(cases: list[DevCase] | None = None) -> list[dict]:
             continue
         cluster = make_cluster(run.node, run.nodes, gpus_per_node=run.gpus_per_node)
         try:
-            est, run = _estimate(run, w, cluster, load_target(run.target))
+            est, run = _estimate(run, w, cluster, load_target(run.target_spec))
         except AutoparError as e:
             rows[i] = _skipped(run, f"{type(e).__name__}: {str(e)[:240]}")
             continue

@@ -402,6 +402,40 @@ def test_estimate_cli_prices_for_the_target(capsys):
 # --- options a framework's recipe turns on, and the hardware they run on ------------------------------------
 
 
+def test_recipe_settings_price_the_row_with_the_targets_options():
+    """A Megatron-Bridge row whose recipe (benchmarks/data/megatron_bridge_recipes.json) runs full-iteration
+    CUDA graphs, the MoE all-to-all overlap, the fused grouped MLP and fp8 attention is priced for
+    ``megatron:cuda-graphs:moe-a2a-overlap:fused-grouped-mlp:fp8-attention``, exactly as ``estimate_step`` prices
+    it with that target; the same model's H100 row, whose recipe runs none of them, for plain ``megatron``."""
+    from benchmarks.devset import load_devset, load_recipes
+    from benchmarks.devset_runs import dev_run, price_devset, recipe_options
+    from costmodel.profiles import make_cluster
+    from costmodel.step import estimate_step
+    from planner.workload import workload_from_model
+
+    cases, recipes = load_devset(), load_recipes()
+    by_id = {c.id: c for c in cases}
+    gb200, h100 = by_id["mbridge-archive-L130"], by_id["mbridge-archive-L132"]
+    assert (gb200.release, gb200.system, gb200.model) == ("26.06", "gb200-nvl72", "qwen3-30b-a3b")
+    run = dev_run(gb200, cases, recipes)
+    assert run.options == ("cuda-graphs", "moe-a2a-overlap", "fused-grouped-mlp", "fp8-attention")
+    assert dev_run(h100, cases, recipes).options == ()
+    (row,) = price_devset([gb200])
+    assert row["options"] == list(run.options) and "recipe: cuda-graphs" in row["assumption"]
+    cluster = make_cluster(run.node, run.nodes, gpus_per_node=run.gpus_per_node)
+    w, _ = workload_from_model(run.spec, seq=gb200.seq_len)
+    with_options = estimate_step(w, run.config, cluster, target=load_target(run.target_spec))
+    plain = estimate_step(w, run.config, cluster, target=load_target("megatron"))
+    assert row["step_time_s"] == pytest.approx(with_options.step_time_s, rel=1e-12)
+    assert with_options.step_time_s < 0.9 * plain.step_time_s
+    # the mapping itself: a local full-iteration graph counts, TE-scoped graphs do not; fp8 attention needs fp8
+    assert recipe_options({"cuda_graph_impl": "local", "cuda_graph_scope": ["full_iteration"]}, "mxfp8") == (
+        "cuda-graphs",)
+    assert recipe_options({"cuda_graph_impl": "transformer_engine", "cuda_graph_scope": ["attn"]}, "mxfp8") == ()
+    assert recipe_options({"fp8_dot_product_attention": True}, "bf16") == ()
+    assert recipe_options(None, "bf16") == ()
+
+
 def test_expert_all_to_all_overlap_and_fp8_attention_in_the_cost_context():
     """``ep_comm_exposed`` scales the expert-parallel all-to-alls and nothing else; ``fp8_attention`` prices
     fused attention at the fp8 rate (twice bf16 on an H100), only under an fp8 precision."""
