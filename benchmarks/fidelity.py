@@ -94,10 +94,26 @@ every plan):
   H100 3.9 T/s from FlashAttention-3, Blackwell Ultra doubling Blackwell's) serial with the attention GEMMs
   moved the megatron median 9.7% -> 9.1% (with sustained_compute 0.67) but the torchtitan rows from 3.7% to
   5.9%; priced as FlashAttention's ping-pong (one warpgroup's softmax under the other's GEMMs) the exponentials
-  hide behind the GEMMs on every GPU here for bf16 attention, so the term changes nothing. The largest
-  systematic residual is by system for the same configuration and release: GB300 runs 1.15-1.27x GB200 (the
-  model: 1.00x, same datasheet FP8 / BF16 peak), GB200 ~1.0x B200 (the model: 1.09x, the datasheet ratio),
-  B300 ~1.11x B200; no datasheet or sourced kernel figure accounts for it, so no constant was changed for it.
+  hide behind the GEMMs on every GPU here for bf16 attention, so the term changes nothing.
+- Recipe settings (``benchmarks/data/megatron_bridge_recipes.json``: the Megatron-Bridge performance recipe of
+  each row at its release's tag): full-iteration CUDA graphs, the MoE all-to-all overlap, Transformer Engine's
+  fused grouped MLP and fp8 attention are options of the megatron target (``benchmarks.devset_runs
+  .recipe_options``) where the recipe at the tag has the row's GPUs, parallel sizes and batches: turned on for
+  38 rows, 31 of them priced (the 26.06+ MXFP8 DeepSeek-V3 / GPT-OSS / Qwen3 recipes on GB200 / GB300 / B300 all
+  four, some earlier DeepSeek-V3 / Qwen3 recipes the all-to-all overlap alone). Two constants of them no
+  datasheet gives were set once over those rows: the fused experts at the dense GEMM rate
+  (``expert_gemm_efficiency`` 1.0) and ``ep_comm_exposed`` 0.8 (0 to 1 with 0.6 to 1.2 first: 0.8 / 1.0 took the
+  megatron median from 8.7% to 7.6%; checked again with the Blackwell Ultra rate below: 6.1%, against 6.4% at
+  ep_comm_exposed 1.0 and 5.9% at 1.0 / 1.2, not taken: it prices fused experts faster than dense GEMMs). The
+  26.06 / 26.06.01 / 26.08 medians went from -15% / -21% / -31% to -5%.
+- Blackwell Ultra: GB300 ran 1.15-1.27x GB200 at the same datasheet FP8 / BF16 peak (the model: 1.00x) and
+  B300 ~1.11x B200. NVIDIA documents its doubled SFU throughput for attention's exponentials (the "Inside
+  NVIDIA Blackwell Ultra" and "Making Softmax More Efficient with NVIDIA Blackwell Ultra" developer blogs), where
+  attention's forward on Blackwell is bound by them (Zadouri et al., FlashAttention-4, 2025). Fused attention on
+  B300 / GB300 runs ``attention_speedup`` 1.5 times Blackwell's rate (``profiles/accelerators.toml``; 1.25 / 1.5 /
+  1.75 / 2.0 tried: megatron median 6.5 / 6.15 / 6.17 / 6.3%, 7.6% at 1.0); GB300's median signed error -8.8% ->
+  -4.2%, B300's -0.8% -> +4.4%. Together with the recipe options: megatron median 8.7% -> 6.1%, mean 12.8% ->
+  10.2%; torchtitan and SC21 unchanged (no Blackwell Ultra there).
 """
 
 from __future__ import annotations

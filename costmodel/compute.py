@@ -126,7 +126,7 @@ def compute_rate_flops(
     if op_class == "attention":
         fit = _fit_for(device, dtype, calibration)
         if fit is None:
-            return peak * eff.attention
+            return peak * eff.attention * device.attention_speedup
         # a calibrated device: attention keeps its default ratio to large matmuls
         return fit.tflops(*_LARGE) * 1e12 * eff.attention / eff.matmul_max
     return device.tflops("fp32") * 1e12 * eff.vector_fraction

@@ -67,6 +67,10 @@ class Accelerator:
     """links.toml entry for this GPU's NVLink fabric (what-if ``custom_cluster(intra="nvlink")``); "" = none."""
     pcie_link: str = ""
     """links.toml entry for this GPU's PCIe generation x16."""
+    attention_speedup: float = 1.0
+    """Fused attention's rate against its share of the tensor-core peak (``costmodel.compute``'s ``attention``
+    efficiency, set on Hopper / Blackwell): above 1 where the chip runs the softmax's exponentials faster than
+    those did (Blackwell Ultra's doubled SFU throughput)."""
 
     def tflops(self, dtype: str = "bf16") -> float:
         """Dense peak TFLOP/s for ``dtype``, falling back to the nearest supported dtype (see module doc)."""

@@ -138,7 +138,8 @@ class _Table:
             self.fail(f"unknown key {unknown[0]!r}; allowed keys: {', '.join(allowed)}")
 
 
-_ACCEL_KEYS = ("vendor", "kind", "memory_gb", "hbm_gbps", "peak_tflops", "source", "aliases", "nvlink_link", "pcie_link")
+_ACCEL_KEYS = ("vendor", "kind", "memory_gb", "hbm_gbps", "peak_tflops", "source", "aliases", "nvlink_link", "pcie_link",
+               "attention_speedup")
 _LINK_KEYS = ("kind", "gbps_per_direction", "latency_s", "source", "curves", "sharp")
 _CURVE_KEYS = ("op", "algorithm", "ranks", "nodes", "link", "reference_gbps", "sizes_bytes", "busbw_gbps", "shape",
                "source")  # fmt: skip
@@ -165,6 +166,7 @@ def _parse_accelerator(name: str, data: Any, *, file: Path | str) -> Accelerator
         aliases=t.strings("aliases"),
         nvlink_link=t.string("nvlink_link", required=False),
         pcie_link=t.string("pcie_link", required=False),
+        attention_speedup=t.number("attention_speedup", required=False, default=1.0),
     )
 
 

@@ -458,6 +458,19 @@ def test_expert_all_to_all_overlap_and_fp8_attention_in_the_cost_context():
     assert t[("bf16", True)] == t[("bf16", False)] == t[("fp8", False)]
 
 
+def test_blackwell_ultra_runs_fused_attention_faster_at_the_same_peaks():
+    """GB300 and GB200 list the same dense peaks; Blackwell Ultra's doubled SFU throughput makes fused attention
+    ``attention_speedup`` (1.5) times as fast, and nothing else."""
+    from costmodel.compute import compute_rate_flops
+    from costmodel.profiles import get_node_type
+
+    gb200, gb300 = get_node_type("gb200-nvl72").gpu, get_node_type("gb300-nvl72").gpu
+    assert gb200.peak_tflops["bf16"] == gb300.peak_tflops["bf16"] and gb200.attention_speedup == 1.0
+    rate = lambda gpu, op: compute_rate_flops(op_class=op, device=gpu, dtype="bf16")  # noqa: E731
+    assert rate(gb300, "attention") == pytest.approx(1.5 * rate(gb200, "attention"))
+    assert rate(gb300, "matmul") == rate(gb200, "matmul")
+
+
 def test_options_add_what_their_framework_cannot_run_with_them():
     """``moe-a2a-overlap`` refuses ep=1 and full recomputation (Megatron-LM's validate_args asserts both),
     ``fp8-attention`` a bf16 plan; the base target refuses none of them, and a search for a dense model with
