@@ -43,8 +43,8 @@ ASSUMPTIONS = (
     "parenthesized block-scaled figures mxfp8 (Blackwell) or fp8-cs (Hopper 128x128 blocks)",
     "Megatron-Bridge recipe settings (benchmarks/data/megatron_bridge_recipes.json, the recipe of the row at its "
     "release's tag, where its GPUs, parallel sizes and batches are the row's) as options of the megatron target: "
-    "full-iteration CUDA graphs -> cuda-graphs, moe_a2a_overlap -> moe-a2a-overlap, cutedsl_fused_grouped_mlp -> fused-grouped-mlp, fp8_dot_product_attention (fp8 "
-    "precisions) -> fp8-attention",
+    "full-iteration CUDA graphs -> cuda-graphs, moe_a2a_overlap -> moe-a2a-overlap, cutedsl_fused_grouped_mlp "
+    "-> fused-grouped-mlp, fp8_dot_product_attention (fp8 precisions) -> fp8-attention",
     "recomputation: none unless the row names it (torchtitan: selective); the step time is priced whether or "
     "not the plan fits (Megatron-Bridge's FSDP rows offload activations to the CPU, which is not modelled)",
     "measured figure: tokens per second per GPU as printed (a row printing only TFLOP/s: converted with the "

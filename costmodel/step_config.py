@@ -75,7 +75,8 @@ class StepConstants:
       traced graph): tensors of one all-to-all's size (``LayerOp.dispatch_bytes``) per MoE layer and micro-batch
       on an ep rank; 0: the experts run as traced.
     - ``fp8_attention``: the fused attention kernels run in the plan's fp8 precision (Transformer Engine's FP8
-      dot-product attention: ``--fp8-dot-product-attention``) at that GEMM dtype's rate; False: in bf16.
+      dot-product attention, Megatron-Core's ``TransformerConfig.fp8_dot_product_attention``) at that GEMM
+      dtype's rate; False: in bf16.
     - ``softmax_bytes`` per attention score of unfused attention (scaled-masked softmax + dropout).
     - ``elementwise_replicated_bytes`` / ``elementwise_ffn_bytes``: norms, dropout, residuals / bias + activation
       (the closed-form oracle; a traced block has its own ops).

@@ -97,8 +97,8 @@ class _Ctx:
     evaluations: int = 0
     least_infeasible_gb: float = math.inf
     refused: dict = field(default_factory=dict)
-    """Refusal message -> how many configurations the execution target refused with it first (for the error
-    when it refuses every one)."""
+    """Refusal message -> how often the execution target gave it first for a proposed configuration (for the
+    error when it refuses every one)."""
     cache: dict = field(default_factory=dict)
     groups: dict = field(default_factory=dict)
     probes: dict = field(default_factory=dict)
@@ -606,8 +606,7 @@ def _infeasible_error(ctx: _Ctx, workload: Any, cluster: Any) -> InfeasiblePlanE
     n = cluster.num_devices
     if not math.isfinite(need):
         top = max(ctx.refused.items(), key=lambda kv: kv[1], default=None)
-        why = "" if top is None else (f"; the execution target refused {sum(ctx.refused.values())} configuration(s), "
-                                      f"{top[1]} of them first because {top[0]}")
+        why = "" if top is None else f"; the execution target refused what the search proposed, most often: {top[0]}"
         return InfeasiblePlanError(
             f"the step model accepted no configuration of {workload.name} on {n} devices"
             + (f" with --fix {ctx.fix}: relax --fix" if ctx.fix else "") + why
